@@ -1,0 +1,168 @@
+"""What to move: turns the process group's tensor lists into flat transport calls.
+
+This layer owns the numerics that must not depend on the transport: float16/bfloat16 reductions
+accumulate in float32 (upcast here when the transport cannot do it itself), AVG is SUM followed
+by one division in float32, bool reductions run as uint8 max/min, lists of same-dtype tensors are
+packed into one buffer so they cost one collective, and non-contiguous tensors go through a
+contiguous copy.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveMismatchError, where
+from .ops import DTYPES, LOW_PRECISION, RedOp
+from .transports.base import Transport
+
+_BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
+            RedOp.MIN: RedOp.MIN, RedOp.PRODUCT: RedOp.MIN, RedOp.BAND: RedOp.MIN, RedOp.BXOR: RedOp.BXOR}
+_SIGNATURE_OPS = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "reduce_scatter": 5,
+                  "all_to_all": 6, "barrier": 7}
+
+
+def _flat(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A 1-D contiguous view of ``t`` and a function that writes results back into ``t``."""
+    if t.is_contiguous():
+        return t.view(-1), lambda: None
+    flat = t.contiguous().view(-1)
+    return flat, lambda: t.copy_(flat.view_as(t))
+
+
+def _pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+    """One flat buffer holding every tensor (same dtype), and the function that unpacks it."""
+    if len(tensors) == 1:
+        return _flat(tensors[0])
+    buf = torch.cat([t.reshape(-1) for t in tensors])
+
+    def unpack() -> None:
+        offset = 0
+        for t in tensors:
+            t.copy_(buf[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    return buf, unpack
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
+
+
+class Collectives:
+    """The algorithms of one process group over its transport."""
+
+    def __init__(self, transport: Transport, check_signatures: bool) -> None:
+        self.transport = transport
+        self.rank, self.world_size = transport.rank, transport.world_size
+        self._check = check_signatures and not transport.checks_signatures
+
+    # shared steps ------------------------------------------------------------------------------
+    def _agree(self, op: str, dtype: torch.dtype | None, numel: int, arg: int = 0) -> None:
+        """When enabled, verify that every rank calls the same op on the same size and dtype."""
+        if not self._check:
+            return
+        mine = [_SIGNATURE_OPS[op], DTYPES[dtype] if dtype else 0, numel, arg]
+        try:
+            everyone = self.transport.signature_check(mine)
+        except dist.DistBackendError as exc:
+            raise type(exc)(f"{where(self.rank, self.world_size, op)} checking that every rank called "
+                            f"the same collective failed: {exc}") from exc
+        if all(s == mine for s in everyone):
+            return
+        names = {v: k for k, v in _SIGNATURE_OPS.items()}
+        seen = "; ".join(f"rank {r}: {names.get(s[0], s[0])}(numel={s[2]}, dtype code {s[1]}, arg {s[3]})"
+                         for r, s in enumerate(everyone))
+        raise CollectiveMismatchError(
+            f"{where(self.rank, self.world_size, op)} ranks called different collectives ({seen}). Every "
+            "rank must call the same collectives in the same order with tensors of the same size and dtype."
+        )
+
+    def _needs_float32(self, dtype: torch.dtype, op: RedOp | None) -> bool:
+        """16-bit floats go over the wire as float32 when the transport cannot accumulate them in
+        float32 itself, and for AVG (so the sum is divided before its single rounding)."""
+        return dtype in LOW_PRECISION and (op is RedOp.AVG or not self.transport.accumulates_low_precision)
+
+    def _wire(self, flat: torch.Tensor, op: RedOp) -> tuple[torch.Tensor, RedOp, Callable[[], None]]:
+        """The tensor the transport reduces, the op it applies, and the write-back afterwards."""
+        if flat.dtype is torch.bool:
+            return flat.view(torch.uint8), _BOOL_OP[op], lambda: None
+        wire = flat.float() if self._needs_float32(flat.dtype, op) else flat
+
+        def finish() -> None:
+            if op is RedOp.AVG:
+                wire.div_(self.world_size)
+            if wire is not flat:
+                flat.copy_(wire)
+
+        return wire, RedOp.SUM if op is RedOp.AVG else op, finish
+
+    # collectives -------------------------------------------------------------------------------
+    def all_reduce(self, tensors: list[torch.Tensor], op: RedOp) -> None:
+        for group in _by_dtype(tensors):
+            flat, unpack = _pack(group)
+            self._agree("all_reduce", flat.dtype, flat.numel(), int(op))
+            wire, wire_op, finish = self._wire(flat, op)
+            self.transport.all_reduce(wire, wire_op)
+            finish()
+            unpack()
+
+    def broadcast(self, tensors: list[torch.Tensor], root: int) -> None:
+        for group in _by_dtype(tensors):
+            flat, unpack = _pack(group)
+            self._agree("broadcast", flat.dtype, flat.numel(), root)
+            wire = flat.view(torch.uint8) if flat.dtype is torch.bool else flat
+            self.transport.broadcast(wire, root)
+            if self.rank != root:
+                unpack()
+
+    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
+        flat, unpack = _flat(tensor)
+        self._agree("reduce", flat.dtype, flat.numel(), root * 16 + int(op))
+        wire, wire_op, finish = self._wire(flat, op)
+        self.transport.reduce(wire, root, wire_op)
+        if self.rank == root:
+            finish()
+            unpack()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``output`` holds world_size blocks of ``input``'s numel, in rank order."""
+        src, _ = _flat(input)
+        dst, unpack = _flat(output)
+        self._agree("all_gather", src.dtype, src.numel())
+        if src.dtype is torch.bool:
+            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+        self.transport.all_gather(dst, src)
+        unpack()
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+        """``output`` gets the reduction of block ``rank`` of every rank's ``input``."""
+        src, _ = _flat(input)
+        dst, unpack = _flat(output)
+        self._agree("reduce_scatter", src.dtype, dst.numel(), int(op))
+        if src.dtype is torch.bool:
+            self.transport.reduce_scatter(dst.view(torch.uint8), src.view(torch.uint8), _BOOL_OP[op])
+        else:
+            wire_out, wire_op, finish = self._wire(dst, op)
+            wire_in = src.float() if wire_out is not dst else src
+            self.transport.reduce_scatter(wire_out, wire_in, wire_op)
+            finish()
+        unpack()
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        src, _ = _flat(input)
+        dst, unpack = _flat(output)
+        self._agree("all_to_all", src.dtype, src.numel())
+        if src.dtype is torch.bool:
+            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+        self.transport.all_to_all(dst, src)
+        unpack()
+
+    def barrier(self) -> None:
+        self._agree("barrier", None, 0)
+        self.transport.barrier()

@@ -1,0 +1,28 @@
+"""Error text in one shape everywhere: who (rank, world size, host), which op, what was expected,
+what was found, and how to fix it."""
+
+from __future__ import annotations
+
+import socket
+
+import torch.distributed as dist
+
+_HOST = socket.gethostname()
+
+
+def where(rank: int, world_size: int, op: str) -> str:
+    """The prefix every smddp error starts with, e.g. ``[smddp rank 1/2 host a] all_reduce:``."""
+    return f"[smddp rank {rank}/{world_size} host {_HOST}] {op}:"
+
+
+class SMDDPError(dist.DistBackendError):
+    """A collective failed or was refused. A ``DistBackendError``, so code that handles torch's own
+    backend errors handles ours."""
+
+
+class CollectiveMismatchError(SMDDPError):
+    """Ranks called different collectives, or the same one with different sizes or dtypes."""
+
+
+class PeerFailureError(SMDDPError):
+    """A peer died, aborted, or did not arrive within the process group's timeout."""

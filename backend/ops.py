@@ -1,0 +1,88 @@
+"""The ops and dtypes the backend supports, as data, so errors can list them."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+
+
+class RedOp(enum.IntEnum):
+    """Reduction ops a transport sees. AVG never reaches a transport: the algorithms layer turns
+    it into SUM and a division."""
+
+    SUM = 0
+    AVG = 1
+    PRODUCT = 2
+    MIN = 3
+    MAX = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
+
+
+_FROM_TORCH = {
+    dist.ReduceOp.SUM: RedOp.SUM,
+    dist.ReduceOp.AVG: RedOp.AVG,
+    dist.ReduceOp.PRODUCT: RedOp.PRODUCT,
+    dist.ReduceOp.MIN: RedOp.MIN,
+    dist.ReduceOp.MAX: RedOp.MAX,
+    dist.ReduceOp.BAND: RedOp.BAND,
+    dist.ReduceOp.BOR: RedOp.BOR,
+    dist.ReduceOp.BXOR: RedOp.BXOR,
+}
+
+# dtype -> small code used in cross-rank signatures (order is part of the wire format).
+DTYPES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+    torch.int32: 5,
+    torch.int64: 6,
+    torch.uint8: 7,
+    torch.bool: 8,
+    torch.int8: 9,
+}
+DTYPE_BY_CODE = {code: dtype for dtype, code in DTYPES.items()}
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+BITWISE_OPS = (RedOp.BAND, RedOp.BOR, RedOp.BXOR)
+
+SUPPORTED_OPS = (
+    "allreduce", "allreduce_coalesced", "broadcast", "allgather", "all_gather_single",
+    "all_gather_single_coalesced", "allgather_coalesced", "reduce_scatter", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "reduce", "barrier", "alltoall_base",
+)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def supported_dtype_names() -> str:
+    return ", ".join(dtype_name(d) for d in DTYPES)
+
+
+def from_torch(reduce_op: object) -> RedOp:
+    """Map a ``dist.ReduceOp`` (or its ``RedOpType``) to ours, refusing PREMUL_SUM by name."""
+    op = getattr(reduce_op, "op", reduce_op)
+    try:
+        return _FROM_TORCH[op]
+    except (KeyError, TypeError):
+        names = ", ".join(o.name for o in RedOp)
+        raise ValueError(f"reduce op {op} is not supported; supported: {names}") from None
+
+
+def check_op_for_dtype(op: RedOp, dtype: torch.dtype) -> None:
+    """Refuse combinations that have no meaning (AVG of integers, bitwise ops on floats)."""
+    if op is RedOp.AVG and dtype not in FLOATS:
+        raise ValueError(
+            f"ReduceOp.AVG needs a floating-point tensor, found {dtype_name(dtype)}; "
+            "use SUM and divide, or convert the tensor to float"
+        )
+    if op in BITWISE_OPS and dtype in FLOATS:
+        raise ValueError(
+            f"ReduceOp.{op.name} needs an integer or bool tensor, found {dtype_name(dtype)}"
+        )

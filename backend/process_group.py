@@ -1,0 +1,321 @@
+"""ProcessGroupSMDDP: what torch.distributed sees. It validates each call and dispatches it.
+
+Method names and signatures are c10d's, so ``dist.all_reduce`` and friends, DDP's C++ reducer and
+``new_group`` all reach them unchanged. Both spellings exist where torch renamed a method
+(``all_gather_single`` / ``_allgather_base``, ``reduce_scatter_single`` / ``_reduce_scatter_base``).
+Every call is checked on the calling thread (bad input raises at once, on every rank that passed
+it) and then runs on the group's communication thread, in call order.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .algorithms import Collectives
+from .errors import SMDDPError, where
+from .transports import create_transport
+from .work import CommThread, SMDDPWork
+
+log = logging.getLogger("smddp_lite")
+
+
+class ProcessGroupSMDDP(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives run on smddp-lite's transports."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout: timedelta,
+                 global_ranks: list[int] | None = None, group_name: str = "", config=None) -> None:
+        super().__init__(rank, world_size)
+        from smddp_lite.config import backend_config
+
+        self.config = config or backend_config()
+        self.timeout = timeout
+        self._group_name = group_name
+        self.transport, reason = create_transport(store, rank, world_size, global_ranks, timeout, self.config)
+        self.collectives = Collectives(self.transport, self.config.checks_collectives)
+        self._comm = CommThread(name=f"smddp-comm-{group_name or 'default'}")
+        self._calls = 0
+        self._failure: str | None = None
+        self._closed = False
+        if rank == 0:
+            members = "all ranks" if global_ranks is None else f"global ranks {list(global_ranks)}"
+            # the default group's choice always shows; subgroups' in debug mode
+            level = logging.INFO if global_ranks is None or self.config.debug else logging.DEBUG
+            log.log(level,
+                    "smddp: group %s (%d ranks, %s) uses transport %s: %s",
+                    group_name or "default", world_size, members, self.transport.name, reason)
+
+    # identity ----------------------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return "smddp"
+
+    def name(self) -> str:
+        return "smddp"
+
+    # the one path every collective takes ---------------------------------------------------------
+    def _run(self, op: str, tensors: list[torch.Tensor], outputs: list[torch.Tensor],
+             check: Callable[[], None], body: Callable[[], None]) -> SMDDPWork:
+        """Validate on this thread, then queue ``body`` on the communication thread."""
+        self._calls += 1
+        call = self._calls
+        try:
+            self._check_usable(op)
+            for t in tensors:
+                self._check_tensor(op, t)
+            check()
+        except (TypeError, ValueError, RuntimeError) as exc:
+            message = f"{where(self.rank(), self.size(), op)} {exc}"
+            if not self._closed:
+                self._comm.submit(lambda: self.transport.reject(call, message), self._work(op, []))
+            raise ValueError(message) from None
+
+        def run() -> None:
+            if self._failure is not None:
+                raise SMDDPError(self._failure)
+            self.transport.call_index = call
+            try:
+                body()
+            except dist.DistBackendError as exc:
+                self._failure = f"{where(self.rank(), self.size(), op)} an earlier collective failed: {exc}"
+                raise
+
+        return self._comm.submit(run, self._work(op, outputs))
+
+    def _work(self, op: str, outputs: list[torch.Tensor]) -> SMDDPWork:
+        return SMDDPWork(where(self.rank(), self.size(), op), outputs, self.timeout)
+
+    def _check_usable(self, op: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "this process group was destroyed (destroy_process_group); create a new one with "
+                "init_process_group or new_group before calling collectives"
+            )
+        if self._failure is not None:
+            raise RuntimeError(f"this process group can no longer be used: {self._failure}")
+
+    def _check_tensor(self, op: str, t: object) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, found {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(
+                f"tensor is on {t.device}; this build of the smddp backend moves CPU tensors only. "
+                "Move it with .cpu(), or use backend='cpu:smddp,cuda:nccl' for CUDA tensors"
+            )
+        if t.layout != torch.strided:
+            raise ValueError(f"expected a dense (strided) tensor, found layout {t.layout}; call .to_dense()")
+        if t.dtype not in ops.DTYPES:
+            raise ValueError(f"dtype {ops.dtype_name(t.dtype)} is not supported; supported: {ops.supported_dtype_names()}")
+
+    def _root(self, root: int) -> None:
+        if not 0 <= root < self.size():
+            raise ValueError(f"root rank {root} is outside the group of {self.size()} ranks (0..{self.size() - 1})")
+
+    def _reduce_op(self, opts) -> ops.RedOp:
+        return ops.from_torch(getattr(opts, "reduceOp", opts))
+
+    # collectives -------------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        tensors = _as_list(tensors)
+        op = self._reduce_op(opts or dist.AllreduceOptions())
+        return self._run("all_reduce", tensors, tensors, lambda: _same_ops(op, tensors),
+                         lambda: self.collectives.all_reduce(tensors, op))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts=None):
+        tensors = _as_list(tensors)
+        root = getattr(opts, "rootRank", 0) if opts is not None else 0
+        return self._run("broadcast", tensors, tensors, lambda: self._root(root),
+                         lambda: self.collectives.broadcast(tensors, root))
+
+    def reduce(self, tensors, opts=None):
+        tensors = _as_list(tensors)
+        opts = opts or dist.ReduceOptions()
+        op, root = self._reduce_op(opts), opts.rootRank
+
+        def check() -> None:
+            self._root(root)
+            _one_tensor("reduce", tensors)
+            _same_ops(op, tensors)
+
+        return self._run("reduce", tensors, tensors, check, lambda: self.collectives.reduce(tensors[0], root, op))
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        inputs = _as_list(input_tensors)
+        outputs = output_tensors[0] if output_tensors and isinstance(output_tensors[0], (list, tuple)) else output_tensors
+        outputs = list(outputs)
+
+        def check() -> None:
+            _one_tensor("all_gather", inputs)
+            self._same_blocks("all_gather", outputs, inputs[0], "output")
+
+        def body() -> None:
+            flat = torch.empty(self.size() * inputs[0].numel(), dtype=inputs[0].dtype)
+            self.collectives.all_gather(flat, inputs[0])
+            for out, block in zip(outputs, flat.chunk(self.size()) if flat.numel() else [flat] * self.size()):
+                out.copy_(block.view_as(out))
+
+        return self._run("all_gather", inputs + outputs, outputs, check, body)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        works = [self.allgather([outs], [inp], opts) for outs, inp in zip(output_lists, input_list)]
+        return works[-1] if works else self.barrier()
+
+    def all_gather_single(self, output, input, opts=None):
+        check = lambda: self._sized("all_gather_into_tensor", output, input, self.size())  # noqa: E731
+        return self._run("all_gather_into_tensor", [output, input], [output], check,
+                         lambda: self.collectives.all_gather(output, input))
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else self.barrier()
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        outputs = _as_list(output_tensors)
+        inputs = input_tensors[0] if input_tensors and isinstance(input_tensors[0], (list, tuple)) else input_tensors
+        inputs = list(inputs)
+        op = self._reduce_op(opts or dist.ReduceScatterOptions())
+
+        def check() -> None:
+            _one_tensor("reduce_scatter", outputs)
+            self._same_blocks("reduce_scatter", inputs, outputs[0], "input")
+            _same_ops(op, outputs)
+
+        def body() -> None:
+            self.collectives.reduce_scatter(outputs[0], torch.cat([t.reshape(-1) for t in inputs]), op)
+
+        return self._run("reduce_scatter", outputs + inputs, outputs, check, body)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op = self._reduce_op(opts or dist.ReduceScatterOptions())
+
+        def check() -> None:
+            self._sized("reduce_scatter_tensor", input, output, self.size())
+            _same_ops(op, [output])
+
+        return self._run("reduce_scatter_tensor", [output, input], [output], check,
+                         lambda: self.collectives.reduce_scatter(output, input, op))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else self.barrier()
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        def check() -> None:
+            self._sized("all_to_all_single", output, input, 1)
+            n = self.size()
+            for name, splits in (("output_split_sizes", output_split_sizes), ("input_split_sizes", input_split_sizes)):
+                if splits and len(set(splits)) > 1:
+                    raise ValueError(f"{name}={list(splits)}: uneven splits are not supported; pass equal splits or none")
+            if input.shape[0] % n if input.dim() else True:
+                raise ValueError(f"the first dimension ({tuple(input.shape)}) must divide into {n} equal blocks")
+
+        return self._run("all_to_all_single", [output, input], [output], check,
+                         lambda: self.collectives.all_to_all(output, input))
+
+    all_to_all_single = alltoall_base
+
+    def barrier(self, opts=None):
+        return self._run("barrier", [], [], lambda: None, self.collectives.barrier)
+
+    # not supported: each says so and lists what is --------------------------------------------
+    def _unsupported(self, op: str):
+        raise RuntimeError(
+            f"{where(self.rank(), self.size(), op)} {op} is not supported by the smddp backend; supported: "
+            f"{', '.join(ops.SUPPORTED_OPS)}. Use a gloo group (dist.new_group(backend='gloo')) for it."
+        )
+
+    def send(self, *args, **kwargs):
+        self._unsupported("send")
+
+    def recv(self, *args, **kwargs):
+        self._unsupported("recv")
+
+    def recv_anysource(self, *args, **kwargs):
+        self._unsupported("recv_anysource")
+
+    def gather(self, *args, **kwargs):
+        self._unsupported("gather")
+
+    def scatter(self, *args, **kwargs):
+        self._unsupported("scatter")
+
+    def alltoall(self, *args, **kwargs):
+        self._unsupported("alltoall (list form)")
+
+    # shape checks ------------------------------------------------------------------------------
+    def _same_blocks(self, op: str, blocks: list[torch.Tensor], like: torch.Tensor, what: str) -> None:
+        if len(blocks) != self.size():
+            raise ValueError(f"expected {self.size()} {what} tensors (one per rank), found {len(blocks)}")
+        for i, b in enumerate(blocks):
+            self._check_tensor(op, b)
+            if b.numel() != like.numel() or b.dtype != like.dtype:
+                raise ValueError(
+                    f"{what} tensor {i} has {b.numel()} elements of {ops.dtype_name(b.dtype)}, expected "
+                    f"{like.numel()} of {ops.dtype_name(like.dtype)} like the other tensor"
+                )
+
+    def _sized(self, op: str, big: torch.Tensor, small: torch.Tensor, factor: int) -> None:
+        if big.dtype != small.dtype:
+            raise ValueError(f"tensors differ in dtype: {ops.dtype_name(big.dtype)} and {ops.dtype_name(small.dtype)}")
+        if big.numel() != factor * small.numel():
+            raise ValueError(
+                f"expected the larger tensor to hold {factor} x {small.numel()} = {factor * small.numel()} "
+                f"elements (world size x the smaller one), found {big.numel()}"
+            )
+
+    # lifetime ----------------------------------------------------------------------------------
+    def shutdown(self, *args, **kwargs) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._comm.stop()
+        self.transport.close()
+
+    def abort(self, *args, **kwargs) -> None:
+        self.shutdown()
+
+
+def _as_list(tensors) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("expected at least one tensor, found an empty list")
+    return tensors
+
+
+def _one_tensor(op: str, tensors: list[torch.Tensor]) -> None:
+    if len(tensors) != 1:
+        raise ValueError(f"{op} takes one tensor per rank, found {len(tensors)}")
+
+
+def _same_ops(op: ops.RedOp, tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        ops.check_op_for_dtype(op, t.dtype)
+
+
+def create_process_group(dist_backend_opts, backend_options=None) -> ProcessGroupSMDDP:
+    """The creator torch.distributed calls for backend "smddp" (``extended_api=True``)."""
+    return ProcessGroupSMDDP(
+        dist_backend_opts.store,
+        dist_backend_opts.group_rank,
+        dist_backend_opts.group_size,
+        dist_backend_opts.timeout,
+        global_ranks=list(dist_backend_opts.global_ranks_in_group or []) or None,
+        group_name=str(dist_backend_opts.group_id or ""),
+    )

@@ -1,0 +1,73 @@
+"""The interface every transport implements.
+
+Tensors arrive flat (1-D), contiguous and on the CPU; the algorithms layer has already turned AVG
+into SUM, bool into uint8 and, when ``accumulates_low_precision`` is False, 16-bit floats into
+float32. Every method blocks until this rank's part is done and raises ``SMDDPError`` (with the
+transport's own error text) on failure.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from ..ops import DTYPES, RedOp
+
+
+class Transport(abc.ABC):
+    name: str = "?"
+    accumulates_low_precision: bool = False
+    """True when the transport itself sums float16/bfloat16 in float32 (so callers need not
+    upcast before sending)."""
+    checks_signatures: bool = False
+    """True when every collective already verifies op, dtype and size across ranks."""
+    call_index: int = 0
+    """Index of the process-group call being run; identical on every rank that makes the same
+    calls. Set by the process group before each call."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None: ...
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None: ...
+
+    @abc.abstractmethod
+    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None: ...
+
+    @abc.abstractmethod
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``output`` (world_size * n,) receives every rank's ``input`` (n,) in rank order."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+        """``output`` (n,) receives the reduction of block ``rank`` of every rank's ``input``."""
+
+    @abc.abstractmethod
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Block ``q`` of ``input`` (world_size equal blocks) goes to rank ``q``'s block ``rank``."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    def signature_check(self, signature: list[int]) -> list[list[int]]:
+        """Every rank's ``signature`` (op, dtype, numel, arg), gathered with the transport itself."""
+        mine = torch.tensor(signature, dtype=torch.int64)
+        everyone = torch.empty(self.world_size * len(signature), dtype=torch.int64)
+        self.all_gather(everyone, mine)
+        return everyone.view(self.world_size, len(signature)).tolist()
+
+    def reject(self, call_index: int, reason: str) -> None:
+        """This rank refused call ``call_index`` that peers may be waiting in; tell them if the
+        transport can (so they raise now instead of at the timeout)."""
+
+    def close(self) -> None:
+        """Release resources. Idempotent."""
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return DTYPES[dtype]

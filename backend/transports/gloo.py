@@ -1,0 +1,71 @@
+"""The embedded default across hosts: torch's own Gloo engine, driven from inside the backend.
+
+It needs nothing beyond ``pip install torch`` and works wherever ranks can reach each other over
+TCP, which is why it is the fallback when ranks do not share a host and no MPI launcher is in use.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PeerFailureError, where
+from ..ops import RedOp
+from .base import Transport
+
+_TORCH_OP = {
+    RedOp.SUM: dist.ReduceOp.SUM,
+    RedOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    RedOp.MIN: dist.ReduceOp.MIN,
+    RedOp.MAX: dist.ReduceOp.MAX,
+    RedOp.BAND: dist.ReduceOp.BAND,
+    RedOp.BOR: dist.ReduceOp.BOR,
+    RedOp.BXOR: dist.ReduceOp.BXOR,
+}
+
+
+class GlooTransport(Transport):
+    name = "gloo"
+
+    def __init__(self, store, rank: int, world_size: int, timeout) -> None:
+        super().__init__(rank, world_size)
+        self._pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
+
+    def _run(self, op: str, work) -> None:
+        try:
+            work.wait()
+        except Exception as exc:  # Gloo's own text names the peer and the socket error
+            raise PeerFailureError(f"{where(self.rank, self.world_size, op)} gloo failed: {exc}") from exc
+
+    def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _TORCH_OP[op]
+        self._run("all_reduce", self._pg.allreduce([tensor], opts))
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        self._run("broadcast", self._pg.broadcast([tensor], opts))
+
+    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
+        opts = dist.ReduceOptions()
+        opts.rootRank, opts.reduceOp = root, _TORCH_OP[op]
+        # Gloo uses non-root buffers as scratch; ours promise to leave them as they were.
+        self._run("reduce", self._pg.reduce([tensor if self.rank == root else tensor.clone()], opts))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._run("all_gather", self._pg._allgather_base(output, input))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = _TORCH_OP[op]
+        self._run("reduce_scatter", self._pg._reduce_scatter_base(output, input, opts))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._run("all_to_all", self._pg.alltoall_base(output, input, [], [], dist.AllToAllOptions()))
+
+    def barrier(self) -> None:
+        self._run("barrier", self._pg.barrier(dist.BarrierOptions()))
+
+    def close(self) -> None:
+        self._pg = None

@@ -1,0 +1,127 @@
+"""MPI through mpi4py, for jobs launched by mpiexec/mpirun.
+
+Non-blocking MPI calls are polled so that every wait honours the process group's timeout: a
+blocking MPI call on a stuck peer would never return. MPI has no bfloat16 type and sums float16
+in float16, so the algorithms layer hands this transport float32 for 16-bit tensors.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import PeerFailureError, where
+from ..ops import RedOp
+from .base import Transport
+
+
+def _mpi():
+    from mpi4py import MPI  # imported lazily: MPI_Init belongs to jobs that use this transport
+
+    return MPI
+
+
+_MPI_OP = {RedOp.SUM: "SUM", RedOp.PRODUCT: "PROD", RedOp.MIN: "MIN", RedOp.MAX: "MAX",
+           RedOp.BAND: "BAND", RedOp.BOR: "BOR", RedOp.BXOR: "BXOR"}
+
+_world_rank_of_torch_rank: list[int] | None = None
+
+
+def world_ranks(global_ranks: list[int]) -> list[int]:
+    """MPI COMM_WORLD ranks of the given torch global ranks (they differ when a launcher renumbers)."""
+    if _world_rank_of_torch_rank is None:
+        raise RuntimeError("the default smddp group must use MPI before a subgroup can")
+    return [_world_rank_of_torch_rank[g] for g in global_ranks]
+
+
+def _buf(t: torch.Tensor):
+    """A numpy view of ``t`` for mpi4py. bfloat16 has no numpy (or MPI) type; it only reaches this
+    transport in data-movement ops, where its bits travel as int16."""
+    return (t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()
+
+
+def _unaliased(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``src``, or a copy of it when its memory overlaps ``dst``'s."""
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    s1, d1 = s0 + src.numel() * src.element_size(), d0 + dst.numel() * dst.element_size()
+    return src.clone() if s0 < d1 and d0 < s1 else src
+
+
+class MPITransport(Transport):
+    name = "mpi"
+
+    def __init__(self, rank: int, world_size: int, global_ranks: list[int] | None, timeout) -> None:
+        super().__init__(rank, world_size)
+        global _world_rank_of_torch_rank
+        MPI = _mpi()
+        self._MPI = MPI
+        self.timeout_s = timeout.total_seconds()
+        world = MPI.COMM_WORLD
+        if global_ranks is None or len(global_ranks) == world.Get_size():
+            if world.Get_size() != world_size:
+                raise ValueError(
+                    f"{where(rank, world_size, 'init')} the MPI job has {world.Get_size()} processes but "
+                    f"the process group has {world_size} ranks; launch with mpiexec -n {world_size} or set "
+                    "SMDDP_TRANSPORT=gloo"
+                )
+            # key=rank orders the new communicator by torch rank, whatever order the launcher used
+            self.comm = world.Split(color=0, key=rank)
+            _world_rank_of_torch_rank = self.comm.allgather(world.Get_rank())
+        else:
+            group = world.Get_group().Incl(world_ranks(global_ranks))
+            self.comm = world.Create_group(group)
+        if self.comm.Get_rank() != rank:
+            raise RuntimeError(f"{where(rank, world_size, 'init')} MPI rank {self.comm.Get_rank()} != group rank")
+
+    def _wait(self, op: str, request) -> None:
+        """Poll ``request`` with a short back-off until done or the group's timeout passes."""
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        while not request.Test():
+            spins += 1
+            if spins > 1000:
+                time.sleep(50e-6)
+                if time.monotonic() > deadline:
+                    raise PeerFailureError(
+                        f"{where(self.rank, self.world_size, op)} MPI collective did not complete within "
+                        f"the process group timeout ({self.timeout_s:.0f} s); a peer may be stuck or "
+                        "calling a different collective"
+                    )
+
+    def _op(self, op: RedOp):
+        return getattr(self._MPI, _MPI_OP[op])
+
+    def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
+        self._wait("all_reduce", self.comm.Iallreduce(self._MPI.IN_PLACE, _buf(tensor), self._op(op)))
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        self._wait("broadcast", self.comm.Ibcast(_buf(tensor), root=root))
+
+    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
+        buf = _buf(tensor)
+        send = self._MPI.IN_PLACE if self.rank == root else buf
+        self._wait("reduce", self.comm.Ireduce(send, buf if self.rank == root else None, self._op(op), root=root))
+
+    # MPI refuses aliased send and receive buffers ("Buffers must not be aliased"), which torch's
+    # in-place forms produce: all_gather passes MPI_IN_PLACE, the others send from a copy.
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        n = input.numel()
+        in_place = n and input.data_ptr() == output[self.rank * n :].data_ptr()
+        send = self._MPI.IN_PLACE if in_place else _buf(_unaliased(input, output))
+        self._wait("all_gather", self.comm.Iallgather(send, _buf(output)))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+        send = _buf(_unaliased(input, output))
+        self._wait("reduce_scatter", self.comm.Ireduce_scatter_block(send, _buf(output), self._op(op)))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._wait("all_to_all", self.comm.Ialltoall(_buf(_unaliased(input, output)), _buf(output)))
+
+    def barrier(self) -> None:
+        self._wait("barrier", self.comm.Ibarrier())
+
+    def close(self) -> None:
+        if getattr(self, "comm", None) is not None and not self._MPI.Is_finalized():
+            self.comm.Free()
+        self.comm = None

@@ -1,0 +1,80 @@
+"""Which transport a group uses, decided once per group by its rank 0 and followed by all."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+
+from ..errors import where
+from .base import Transport
+
+MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
+
+
+def launched_by_mpi() -> bool:
+    """True when an MPI launcher (Open MPI, MPICH/Hydra, PMIx) started this process."""
+    return any(v in os.environ for v in MPI_LAUNCHER_VARS)
+
+
+def host_name() -> str:
+    """The host identity used to find ranks that can share memory."""
+    return socket.gethostname()
+
+
+def _choose(store, rank: int, world_size: int, forced: str) -> tuple[str, str]:
+    """(transport, reason); ranks publish their host name, rank 0 decides."""
+    store.set(f"host/{rank}", host_name())
+    if rank != 0:
+        name, reason = store.get("transport").decode().split("|", 1)
+        return name, reason
+    hosts = [store.get(f"host/{r}").decode() for r in range(world_size)]
+    same_host = len(set(hosts)) == 1
+    if forced != "auto":
+        name, reason = forced, "forced by SMDDP_TRANSPORT"
+    elif same_host and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm"):
+        name, reason = "shm", f"all {world_size} ranks on host {hosts[0]}"
+    elif launched_by_mpi() and _has_mpi4py():
+        name, reason = "mpi", f"ranks on {len(set(hosts))} hosts, launched by mpiexec"
+    else:
+        name, reason = "gloo", f"ranks on {len(set(hosts))} hosts"
+    if name == "shm" and not same_host:
+        raise ValueError(
+            f"{where(rank, world_size, 'init')} SMDDP_TRANSPORT=shm needs every rank on one host; found "
+            f"hosts {sorted(set(hosts))}. Unset SMDDP_TRANSPORT or use gloo/mpi."
+        )
+    store.set("transport", f"{name}|{reason}")
+    return name, reason
+
+
+def _has_mpi4py() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def create_transport(store, rank: int, world_size: int, global_ranks, timeout, config) -> tuple[Transport, str]:
+    """Build this group's transport; returns it and the reason it was chosen (for the log)."""
+    if world_size == 1:
+        from .local import LocalTransport
+
+        return LocalTransport(), "a group of one rank"
+    name, reason = _choose(store, rank, world_size, config.transport)
+    if name == "shm":
+        from .shm import ShmTransport
+
+        return ShmTransport(store, rank, world_size, config.shm_chunk_bytes, timeout), reason
+    if name == "mpi":
+        if not _has_mpi4py():
+            raise ImportError(
+                f"{where(rank, world_size, 'init')} the MPI transport needs mpi4py: "
+                "pip install 'smddp-lite[mpi]' (or mpi4py mpich)"
+            )
+        from .mpi import MPITransport
+
+        return MPITransport(rank, world_size, global_ranks, timeout), reason
+    from .gloo import GlooTransport
+
+    return GlooTransport(store, rank, world_size, timeout), reason

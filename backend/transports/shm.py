@@ -1,0 +1,191 @@
+"""Shared-memory transport for ranks on one host.
+
+Each collective runs in steps of at most ``chunk_bytes`` per rank. A step writes into buffer set
+``step % 2``; because every rank passes the next step's barrier only after all ranks finished the
+previous step, a buffer set is never overwritten while a peer still reads it (one barrier per step
+for broadcast/gather ops, two for all_reduce).
+
+all_reduce of n elements on w ranks: each rank stages the (w-1)/w of its tensor that peers reduce,
+reduces its own 1/w share (reading peers' slots and its own tensor in place), publishes the result,
+then copies the other shares back. Every share is reduced by exactly one rank in rank order, so
+all ranks get bit-identical results. Float16/bfloat16 are accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops import DTYPE_BY_CODE, LOW_PRECISION, RedOp, dtype_name
+from .base import Transport, dtype_code
+from .shm_segment import ShmSegment
+
+_OP_CODES = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "reduce_scatter": 5,
+             "all_to_all": 6, "barrier": 7}
+_OP_NAMES = {code: name for name, code in _OP_CODES.items()}
+
+_COMBINE = {
+    RedOp.SUM: torch.add,
+    RedOp.PRODUCT: torch.mul,
+    RedOp.MIN: torch.minimum,
+    RedOp.MAX: torch.maximum,
+    RedOp.BAND: torch.bitwise_and,
+    RedOp.BOR: torch.bitwise_or,
+    RedOp.BXOR: torch.bitwise_xor,
+}
+
+
+def _describe(header: tuple[int, ...]) -> str:
+    seq, call, op, dtype, numel, arg = header
+    name = _OP_NAMES.get(op, f"op{op}")
+    dt = dtype_name(DTYPE_BY_CODE[dtype]) if dtype in DTYPE_BY_CODE else "-"
+    return f"call #{call} {name}(numel={numel}, dtype={dt}, arg={arg})"
+
+
+class ShmTransport(Transport):
+    name = "shm"
+    accumulates_low_precision = True
+    checks_signatures = True
+
+    def __init__(self, store, rank: int, world_size: int, chunk_bytes: int, timeout) -> None:
+        super().__init__(rank, world_size)
+        self.seg = ShmSegment(store, rank, world_size, chunk_bytes, timeout)
+        self.seq = 0
+        self.step = 0
+        # float32 accumulator for 16-bit reductions: one chunk's worth of elements.
+        self._acc = torch.empty(chunk_bytes // 2, dtype=torch.float32)
+        self._scratch = torch.empty(chunk_bytes, dtype=torch.uint8)
+
+    # protocol helpers --------------------------------------------------------------------------
+    def _begin(self, op: str, dtype: torch.dtype | None, numel: int, arg: int) -> tuple[int, ...]:
+        if self.seg.broken:
+            self.seg._fail("an earlier collective failed on this rank")
+        self.seq += 1
+        self.seg.current_call = self.call_index
+        self.seg.op_desc = f"{op} (call #{self.call_index})"
+        header = (self.seq, self.call_index, _OP_CODES[op], dtype_code(dtype) if dtype else 0, numel, arg)
+        self.seg.publish_header(header)
+        return header
+
+    def _sync(self, header: tuple[int, ...] | None) -> None:
+        """Barrier; on an op's first step also check that every rank called the same op."""
+        self.seg.barrier()
+        if header is not None:
+            self.seg.check_headers(header, _describe)
+
+    def _steps(self, numel: int, elem_bytes: int):
+        """(start, stop) ranges of at most one chunk; at least one range, so empty ops still sync."""
+        per_step = max(1, self.seg.chunk_bytes // elem_bytes)
+        for start in range(0, max(numel, 1), per_step):
+            self.step += 1
+            yield start, min(start + per_step, numel)
+
+    def _combine(self, sources: list[torch.Tensor], dest: list[torch.Tensor], op: RedOp) -> None:
+        """Reduce ``sources`` in rank order into every tensor of ``dest``.
+
+        A ``dest`` may be the very memory of one source (in-place calls). The accumulator is
+        therefore a ``dest`` that no later source (index >= 2) aliases, else scratch memory.
+        """
+        fn, numel, dtype = _COMBINE[op], sources[0].numel(), sources[0].dtype
+        if dtype in LOW_PRECISION and op in (RedOp.SUM, RedOp.PRODUCT):
+            acc = self._acc[:numel]
+            acc.copy_(sources[0])
+            for src in sources[1:]:
+                fn(acc, src, out=acc)  # float32 += 16-bit promotes per element: float32 accumulation
+        else:
+            later = {s.data_ptr() for s in sources[2:]}
+            acc = next((d for d in dest if d.data_ptr() not in later), None)
+            if acc is None:
+                acc = self._scratch.view(dtype)[:numel]
+            fn(sources[0], sources[1], out=acc)
+            for src in sources[2:]:
+                fn(acc, src, out=acc)
+        for d in dest:
+            if d.data_ptr() != acc.data_ptr():
+                d.copy_(acc)
+
+    # collectives -------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
+        w, r = self.world_size, self.rank
+        header = self._begin("all_reduce", tensor.dtype, tensor.numel(), int(op))
+        for start, stop in self._steps(tensor.numel(), tensor.element_size()):
+            x, m = tensor[start:stop], stop - start
+            bounds = [(q * m // w, (q + 1) * m // w) for q in range(w)]
+            lo, hi = bounds[r]
+            mine = self.seg.slot(self.step, r, tensor.dtype)
+            mine[:lo].copy_(x[:lo])
+            mine[hi:m].copy_(x[hi:])
+            self._sync(header if start == 0 else None)
+            sources = [x[lo:hi] if p == r else self.seg.slot(self.step, p, tensor.dtype)[lo:hi] for p in range(w)]
+            self._combine(sources, [x[lo:hi], mine[lo:hi]], op)
+            self.seg.barrier()
+            for q, (qlo, qhi) in enumerate(bounds):
+                if q != r:
+                    x[qlo:qhi].copy_(self.seg.slot(self.step, q, tensor.dtype)[qlo:qhi])
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        header = self._begin("broadcast", tensor.dtype, tensor.numel(), root)
+        for start, stop in self._steps(tensor.numel(), tensor.element_size()):
+            x = tensor[start:stop]
+            if self.rank == root:
+                self.seg.slot(self.step, root, tensor.dtype)[: stop - start].copy_(x)
+            self._sync(header if start == 0 else None)
+            if self.rank != root:
+                x.copy_(self.seg.slot(self.step, root, tensor.dtype)[: stop - start])
+
+    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
+        header = self._begin("reduce", tensor.dtype, tensor.numel(), root * 16 + int(op))
+        for start, stop in self._steps(tensor.numel(), tensor.element_size()):
+            x, m = tensor[start:stop], stop - start
+            if self.rank != root:
+                self.seg.slot(self.step, self.rank, tensor.dtype)[:m].copy_(x)
+            self._sync(header if start == 0 else None)
+            if self.rank == root:
+                sources = [x if p == root else self.seg.slot(self.step, p, tensor.dtype)[:m]
+                           for p in range(self.world_size)]
+                self._combine(sources, [x], op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        n = input.numel()
+        header = self._begin("all_gather", input.dtype, n, 0)
+        for start, stop in self._steps(n, input.element_size()):
+            self.seg.slot(self.step, self.rank, input.dtype)[: stop - start].copy_(input[start:stop])
+            self._sync(header if start == 0 else None)
+            for q in range(self.world_size):
+                src = input[start:stop] if q == self.rank else self.seg.slot(self.step, q, input.dtype)[: stop - start]
+                output[q * n + start : q * n + stop].copy_(src)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+        w, r, n = self.world_size, self.rank, output.numel()
+        header = self._begin("reduce_scatter", input.dtype, n, int(op))
+        # a step stages one k-element piece of every peer's block: w * k elements per slot
+        for start, stop in self._steps(n, input.element_size() * w):
+            k = stop - start
+            mine = self.seg.slot(self.step, r, input.dtype)
+            for q in range(w):
+                if q != r:
+                    mine[q * k : (q + 1) * k].copy_(input[q * n + start : q * n + stop])
+            self._sync(header if start == 0 else None)
+            sources = [input[r * n + start : r * n + stop] if p == r
+                       else self.seg.slot(self.step, p, input.dtype)[r * k : (r + 1) * k] for p in range(w)]
+            self._combine(sources, [output[start:stop]], op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        w, r, n = self.world_size, self.rank, input.numel() // self.world_size
+        header = self._begin("all_to_all", input.dtype, input.numel(), 0)
+        for start, stop in self._steps(n, input.element_size() * w):
+            k = stop - start
+            mine = self.seg.slot(self.step, r, input.dtype)
+            for q in range(w):
+                mine[q * k : (q + 1) * k].copy_(input[q * n + start : q * n + stop])
+            self._sync(header if start == 0 else None)
+            for q in range(w):
+                output[q * n + start : q * n + stop].copy_(self.seg.slot(self.step, q, input.dtype)[r * k : (r + 1) * k])
+
+    def barrier(self) -> None:
+        self._sync(self._begin("barrier", None, 0, 0))
+
+    def reject(self, call_index: int, reason: str) -> None:
+        self.seg.reject(call_index, reason)
+
+    def close(self) -> None:
+        self.seg.close()

@@ -1,0 +1,209 @@
+"""A shared-memory segment that the ranks of one host map, and the control plane that orders them.
+
+Layout (all offsets multiples of 64 bytes, so no two ranks write one cache line)::
+
+    control   (world_size, 16) int64   one line pair per rank: phase, pid, broken flag, rejected
+                                       call, and two copies of the op header (even/odd op seq)
+    reasons   (world_size, 512) bytes  why a rank broke or rejected an op (UTF-8)
+    data      2 x world_size x chunk   two buffer sets, used by alternate steps
+
+Ordering relies on x86-64's total store order: a rank writes data, then bumps its phase counter
+with one aligned 8-byte store; a peer that reads the new phase therefore sees the data. Every torch
+op in between also releases and retakes the GIL (a locked instruction, a full fence), which orders
+the non-temporal stores large copies may use. ``select`` only offers this transport on x86-64.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import uuid
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from ..errors import CollectiveMismatchError, PeerFailureError, where
+
+PHASE, PID, BROKEN, REJECTED = 0, 1, 2, 3
+HEADER = 4  # two headers of 6 fields: op seq, call index, op code, dtype code, numel, arg
+HEADER_FIELDS = ("seq", "call", "op", "dtype", "numel", "arg")
+CONTROL_WORDS = 16
+REASON_BYTES = 512
+_SPIN_BEFORE_YIELD = 2000  # ~0.1-0.2 ms of polling before giving the core away
+_CHECK_EVERY_S = 0.05  # how often a waiting rank looks for dead or aborted peers
+
+
+def _align(n: int, to: int = 4096) -> int:
+    return (n + to - 1) // to * to
+
+
+class ShmSegment:
+    """The mapped segment of one process group on one host, with its barrier and failure checks."""
+
+    def __init__(self, store, rank: int, world_size: int, chunk_bytes: int, timeout: timedelta) -> None:
+        self.rank, self.world_size, self.chunk_bytes = rank, world_size, chunk_bytes
+        self.timeout_s = timeout.total_seconds()
+        self._control_bytes = _align(world_size * CONTROL_WORDS * 8)
+        self._reason_off = self._control_bytes
+        self._data_off = _align(self._reason_off + world_size * REASON_BYTES)
+        size = self._data_off + 2 * world_size * chunk_bytes
+        self._mm = _map_shared(store, rank, world_size, size, self.timeout_s)
+        self.control = np.frombuffer(self._mm, dtype=np.int64, count=world_size * CONTROL_WORDS)
+        self.control = self.control.reshape(world_size, CONTROL_WORDS)
+        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.control[rank, PID] = os.getpid()
+        self.control[rank, REJECTED] = -1
+        self.phase = 0
+        self.op_desc = "init"
+        self.barrier()  # every pid and flag above is visible before the first collective
+
+    # data ------------------------------------------------------------------------------------
+    def slot(self, step: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """The chunk of ``rank`` in buffer set ``step % 2``, viewed as ``dtype``."""
+        start = self._data_off + ((step % 2) * self.world_size + rank) * self.chunk_bytes
+        return self._bytes[start : start + self.chunk_bytes].view(dtype)
+
+    # headers ---------------------------------------------------------------------------------
+    def publish_header(self, header: tuple[int, ...]) -> None:
+        base = HEADER + (header[0] % 2) * len(HEADER_FIELDS)
+        self.control[self.rank, base : base + len(HEADER_FIELDS)] = header
+
+    def check_headers(self, header: tuple[int, ...], describe) -> None:
+        """After the first barrier of an op: every rank published the same header, or all raise."""
+        base = HEADER + (header[0] % 2) * len(HEADER_FIELDS)
+        headers = self.control[:, base : base + len(HEADER_FIELDS)]
+        if (headers == np.asarray(header, dtype=np.int64)).all():
+            return
+        lines = "; ".join(f"rank {r}: {describe(tuple(int(v) for v in h))}" for r, h in enumerate(headers))
+        self.broken = True
+        raise CollectiveMismatchError(
+            f"{where(self.rank, self.world_size, self.op_desc)} ranks called different collectives "
+            f"({lines}). Every rank must call the same collectives in the same order with tensors "
+            "of the same size and dtype; this process group can no longer be used."
+        )
+
+    # control plane ---------------------------------------------------------------------------
+    broken = False
+    current_call = -1  # index of the process-group call this rank is inside; the transport sets it
+
+    def barrier(self) -> None:
+        """Advance this rank's phase and wait until every rank has reached it."""
+        self.phase += 1
+        self.control[self.rank, PHASE] = self.phase
+        for peer in range(self.world_size):
+            if self.control[peer, PHASE] < self.phase:
+                self._wait_for(peer)
+
+    def _wait_for(self, peer: int) -> None:
+        phase, control = self.phase, self.control
+        for _ in range(_SPIN_BEFORE_YIELD):
+            if control[peer, PHASE] >= phase:
+                return
+        start = time.monotonic()
+        next_check = start + _CHECK_EVERY_S
+        while control[peer, PHASE] < phase:
+            time.sleep(0 if time.monotonic() - start < 0.01 else 50e-6)
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_peers(peer, now - start)
+                next_check = now + _CHECK_EVERY_S
+
+    def _check_peers(self, waiting_for: int, waited_s: float) -> None:
+        for peer in range(self.world_size):
+            if self.control[peer, BROKEN]:
+                self._fail(f"rank {peer} aborted: {self._reason(peer)}")
+            if self.control[peer, REJECTED] == self.current_call >= 0:
+                self._fail(f"rank {peer} refused this call: {self._reason(peer)}")
+        pid = int(self.control[waiting_for, PID])
+        if pid and not _alive(pid):
+            self._fail(f"rank {waiting_for} (pid {pid}) died")
+        if waited_s > self.timeout_s:
+            self._fail(
+                f"rank {waiting_for} did not arrive within the process group timeout "
+                f"({self.timeout_s:.0f} s); it may be stuck or calling a different collective"
+            )
+
+    def _fail(self, what: str) -> None:
+        self.mark_broken(what)
+        raise PeerFailureError(
+            f"{where(self.rank, self.world_size, self.op_desc)} {what}. This process group can no "
+            "longer be used; restart the job (or destroy and re-create the group)."
+        )
+
+    def mark_broken(self, reason: str) -> None:
+        """Tell every peer, now and in later calls, that this rank has left the protocol."""
+        self.broken = True
+        self._write_reason(reason)
+        self.control[self.rank, BROKEN] = 1
+
+    def reject(self, call: int, reason: str) -> None:
+        """This rank refused process-group call ``call`` before entering it; peers waiting in that
+        call raise instead of waiting for the timeout. Peers that rejected it too never enter it."""
+        self._write_reason(reason)
+        self.control[self.rank, REJECTED] = call
+
+    def _write_reason(self, reason: str) -> None:
+        raw = reason.encode()[: REASON_BYTES - 1] + b"\0"
+        start = self._reason_off + self.rank * REASON_BYTES
+        self._mm[start : start + len(raw)] = raw
+
+    def _reason(self, rank: int) -> str:
+        start = self._reason_off + rank * REASON_BYTES
+        return self._mm[start : start + REASON_BYTES].split(b"\0", 1)[0].decode(errors="replace")
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self.control = None
+            self._bytes = None
+            try:
+                self._mm.close()
+            except BufferError:  # a caller still holds a view; the mapping goes with the process
+                pass
+            self._mm = None
+
+
+def _alive(pid: int) -> bool:
+    """False for a pid that is gone or a zombie (a dead child its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+def _map_shared(store, rank: int, world_size: int, size: int, timeout_s: float) -> mmap.mmap:
+    """Rank 0 creates the segment and every rank maps it; the file is unlinked as soon as all have
+    mapped it, so nothing is left in /dev/shm even if the job is killed."""
+    if rank == 0:
+        path = f"/dev/shm/smddp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        store.set("shm/path", path)
+    else:
+        path = store.get("shm/path").decode()
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+    store.add("shm/mapped", 1)
+    if rank == 0:
+        deadline = time.monotonic() + timeout_s
+        while int(store.add("shm/mapped", 0)) < world_size:
+            if time.monotonic() > deadline:
+                os.unlink(path)
+                raise PeerFailureError(
+                    f"{where(rank, world_size, 'init')} not every rank mapped the shared-memory "
+                    f"segment within {timeout_s:.0f} s; set SMDDP_TRANSPORT=gloo if the ranks do not "
+                    "share /dev/shm"
+                )
+            time.sleep(0.001)
+        os.unlink(path)
+    return mm

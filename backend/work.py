@@ -1,0 +1,113 @@
+"""Work handles and the per-group communication thread that completes them.
+
+Each process group runs its collectives, in call order, on one thread of its own: the CPU analogue
+of ProcessGroupNCCL's communication stream. ``async_op=True`` callers and DDP's reducer (which
+launches a bucket's all_reduce from the autograd thread) overlap communication with compute, and a
+synchronous call waits on the Work it gets back, as with every torch backend.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import PeerFailureError, SMDDPError
+
+
+class SMDDPWork(dist._Work):
+    """Handle of one collective: ``wait``, ``is_completed``, ``get_future`` and errors on ``wait``.
+
+    An exception set on a future is invisible to C++ callers such as DDP's reducer, so failures
+    are raised from ``wait()`` as ``DistBackendError`` (and also set on the future, for Python
+    callers that chain ``then``).
+    """
+
+    def __init__(self, describe: str, outputs: list[torch.Tensor], timeout: timedelta) -> None:
+        super().__init__()
+        self._describe = describe
+        self._outputs = outputs
+        self._timeout_s = timeout.total_seconds()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future = torch.futures.Future()
+
+    # called by the communication thread
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        if error is None:
+            self._future.set_result(self._outputs)
+        else:
+            self._future.set_exception(_as_backend_error(error))
+        self._done.set()
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        limit = timeout.total_seconds() or self._timeout_s
+        if not self._done.wait(limit):
+            raise PeerFailureError(
+                f"{self._describe}: not complete after {limit:.0f} s (the process group timeout); a peer "
+                "is stuck, dead or calling a different collective"
+            )
+        if self._error is not None:
+            raise _as_backend_error(self._error)
+        return True
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _as_backend_error(error: BaseException) -> BaseException:
+    if isinstance(error, dist.DistBackendError):
+        return error
+    wrapped = SMDDPError(str(error))
+    wrapped.__cause__ = error
+    return wrapped
+
+
+class CommThread:
+    """Runs submitted collectives one after another on a daemon thread."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], SMDDPWork] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any], work: SMDDPWork) -> SMDDPWork:
+        self._queue.put((fn, work))
+        return work
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, work = item
+            try:
+                fn()
+            except BaseException as exc:  # reported through the Work, never lost on this thread
+                work._finish(exc)
+            else:
+                work._finish(None)
+
+    def stop(self) -> None:
+        """Let queued collectives finish, then end the thread."""
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)

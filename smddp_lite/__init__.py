@@ -1,0 +1,32 @@
+"""smddp-lite: an open data-parallel communication library for PyTorch.
+
+Importing it registers the torch.distributed backend "smddp"::
+
+    import smddp_lite
+    import torch.distributed as dist
+
+    smddp_lite.init()   # or dist.init_process_group(backend="smddp") under torchrun
+
+``smddp_lite.init()`` works under torchrun, with an explicit ``init_method`` and rank/world size,
+and under mpirun/mpiexec (rank and world size from the MPI launcher).
+"""
+
+import logging as _logging
+
+from ._registration import BACKEND_NAME, register as _register
+from .launch import init
+
+__version__ = "0.1.0"
+__all__ = ["BACKEND_NAME", "init", "__version__"]
+
+_register()
+
+# One line on rank 0 says which transport runs (SMDDP users were bitten by silent fallbacks).
+# Applications that configure logging themselves keep full control of this logger.
+_log = _logging.getLogger("smddp_lite")
+if not _log.handlers and not _logging.getLogger().handlers:
+    _handler = _logging.StreamHandler()
+    _handler.setFormatter(_logging.Formatter("%(message)s"))
+    _log.addHandler(_handler)
+    _log.setLevel(_logging.INFO)
+    _log.propagate = False

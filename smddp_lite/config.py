@@ -1,0 +1,124 @@
+"""Configuration of smddp-lite, read from ``SMDDP_*`` environment variables in one place.
+
+Every component has one frozen dataclass; each field documents itself and has a default.
+:func:`read_env` is the only code that looks at ``SMDDP_*`` variables, so the full list of
+knobs is the table ``ENV_VARS`` below and a misspelt variable is an error, not a silent no-op.
+
+Example::
+
+    SMDDP_TRANSPORT=gloo SMDDP_DEBUG=1 torchrun --nproc-per-node 2 train.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any, Mapping
+
+TRANSPORTS = ("auto", "shm", "gloo", "mpi")
+"""Transports the CPU path can use. "auto" picks shm when every rank of a group shares one
+host, else mpi when launched by mpiexec, else gloo."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendConfig:
+    """How the "smddp" process group moves CPU tensors."""
+
+    transport: str = "auto"
+    """One of ``TRANSPORTS``. Env: ``SMDDP_TRANSPORT``."""
+
+    debug: bool = False
+    """Log every decision (transport, algorithm) on rank 0 and check that all ranks call the
+    same collective with the same size and dtype before running it. Env: ``SMDDP_DEBUG``."""
+
+    check_collectives: bool = False
+    """Check op, dtype and size across ranks before each collective even without ``debug``.
+    The shared-memory transport always checks (it costs nothing there); on gloo and MPI the
+    check is one extra small all_gather per call. Env: ``SMDDP_CHECK_COLLECTIVES``."""
+
+    shm_chunk_bytes: int = 1 << 20
+    """Bytes each rank stages per step in the shared-memory transport. 1 MiB keeps a step's
+    working set (2 ranks x 2 buffers) inside the L2/L3 caches of the machines we measured on.
+    Env: ``SMDDP_SHM_CHUNK_BYTES``."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"smddp-lite: SMDDP_TRANSPORT={self.transport!r} is not a transport; expected one of "
+                f"{', '.join(TRANSPORTS)}. Unset it to let the backend choose."
+            )
+        if self.shm_chunk_bytes < 4096 or self.shm_chunk_bytes % 64:
+            raise ValueError(
+                f"smddp-lite: SMDDP_SHM_CHUNK_BYTES={self.shm_chunk_bytes} must be a multiple of 64 "
+                "and at least 4096 (bytes); the default is 1048576."
+            )
+
+    @property
+    def checks_collectives(self) -> bool:
+        """Whether gloo/MPI groups verify op, dtype and size across ranks before each call."""
+        return self.debug or self.check_collectives
+
+
+# variable name -> (component, field). The one list of every SMDDP_* knob.
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "SMDDP_TRANSPORT": ("backend", "transport"),
+    "SMDDP_DEBUG": ("backend", "debug"),
+    "SMDDP_CHECK_COLLECTIVES": ("backend", "check_collectives"),
+    "SMDDP_SHM_CHUNK_BYTES": ("backend", "shm_chunk_bytes"),
+}
+
+# Variables that AWS's SMDDP reads and this library does not need. Scripts brought over from
+# SageMaker may still set them, so they earn a warning rather than an error.
+_AWS_ONLY_VARS = ("SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES", "SMDDP_AG_SORT_BUFFER_SIZE_BYTES")
+
+_COMPONENTS = {"backend": BackendConfig}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse(name: str, raw: str, kind: Any) -> Any:
+    if kind in (bool, "bool"):
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError(f"smddp-lite: {name}={raw!r} is not a boolean; use 1/0, true/false, on/off.")
+    if kind in (int, "int"):
+        try:
+            return int(raw, 0)
+        except ValueError:
+            raise ValueError(f"smddp-lite: {name}={raw!r} is not an integer.") from None
+    return raw.strip().lower()
+
+
+def read_env(component: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Return the fields of ``component`` that ``SMDDP_*`` variables set, parsed and checked.
+
+    Raises ValueError naming any ``SMDDP_*`` variable this library does not know, so that a typo
+    (``SMDDP_TRANSPRT``) is caught instead of silently ignored.
+    """
+    environ = os.environ if environ is None else environ
+    fields = {f.name: f.type for f in dataclasses.fields(_COMPONENTS[component])}
+    values: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith("SMDDP_"):
+            continue
+        if name in _AWS_ONLY_VARS:
+            warnings.warn(f"smddp-lite: {name} is an AWS SMDDP setting and has no effect here", stacklevel=2)
+            continue
+        if name not in ENV_VARS:
+            raise ValueError(
+                f"smddp-lite: unknown environment variable {name}; known: {', '.join(sorted(ENV_VARS))}. "
+                "Fix the spelling or unset it."
+            )
+        owner, field = ENV_VARS[name]
+        if owner == component:
+            values[field] = _parse(name, raw, fields[field])
+    return values
+
+
+def backend_config(environ: Mapping[str, str] | None = None) -> BackendConfig:
+    """The backend configuration in force: defaults overridden by ``SMDDP_*`` variables."""
+    return BackendConfig(**read_env("backend", environ))

@@ -1,0 +1,83 @@
+"""``smddp_lite.init()``: one call that starts the default process group under any launcher."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ._registration import BACKEND_NAME
+
+
+def _launched_by_mpi() -> bool:
+    from smddp_lite.backend.transports.select import launched_by_mpi
+
+    return launched_by_mpi()
+
+
+def init(backend: str = BACKEND_NAME, init_method: str | None = None, rank: int | None = None,
+         world_size: int | None = None, timeout: timedelta | None = None) -> dist.ProcessGroup:
+    """Initialise the default process group, whichever way the job was started.
+
+    * ``init_method`` (``tcp://host:port``, ``file:///path``) with ``rank`` and ``world_size``: used as given.
+    * torchrun (``RANK`` and ``WORLD_SIZE`` set): ``env://``.
+    * mpirun/mpiexec with no ``RANK``/``WORLD_SIZE``: rank and world size come from MPI, rank 0
+      hosts the rendezvous store on a port the OS picks, and MPI tells the others where it is.
+      ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+      ``MASTER_PORT`` are then set for the rest of the script.
+    * none of these: a group of one process.
+
+    Args:
+        backend: torch.distributed backend name; "smddp" unless comparing against another.
+        timeout: how long any collective may wait for peers before raising.
+
+    Returns:
+        The default process group. Calling ``init`` again returns it unchanged.
+
+    Example::
+
+        import smddp_lite
+        smddp_lite.init()           # torchrun, mpirun or plain python
+    """
+    if dist.is_initialized():
+        return dist.group.WORLD
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    if init_method is not None or rank is not None or world_size is not None:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, init_method="env://", **kwargs)
+    elif _launched_by_mpi():
+        store, rank, world_size = _mpi_rendezvous(timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    return dist.group.WORLD
+
+
+def _mpi_rendezvous(timeout: timedelta | None):
+    """Rank 0 opens a TCPStore on an OS-chosen port; an MPI broadcast tells every rank where."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ImportError(
+            "smddp-lite: launched by mpiexec but mpi4py is missing; pip install 'smddp-lite[mpi]'"
+        ) from None
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    store_timeout = timeout or timedelta(minutes=30)
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        store = dist.TCPStore(host, 0, size, is_master=True, timeout=store_timeout, wait_for_workers=False)
+        address = (host, store.port)
+    else:
+        address = None
+    host, port = world.bcast(address, root=0)
+    if rank != 0:
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=store_timeout)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local.Get_rank()),
+                      LOCAL_WORLD_SIZE=str(local.Get_size()), MASTER_ADDR=host, MASTER_PORT=str(port))
+    local.Free()
+    return store, rank, size

@@ -1,0 +1,8 @@
+"""SageMaker-compatible import path.
+
+Scripts written for AWS's library do ``import smdistributed.dataparallel.torch.torch_smddp``;
+with smddp-lite the same line becomes ``import smddp_lite.torch_smddp``, and
+``dist.init_process_group(backend="smddp")`` then works unchanged.
+"""
+
+from . import BACKEND_NAME, init  # noqa: F401  (importing the package registers the backend)

@@ -1,0 +1,219 @@
+"""The conformance suite: every collective, dtype and shape, written once, run on every transport.
+
+Inputs are rank-seeded small integers that every dtype holds exactly, so any reduction order gives
+one right answer and results are compared for equality (no tolerances). ``run`` executes on each
+rank of a job and returns {case id: "ok" | "FAIL: why" | "unsupported: why"}; the pytest side
+(test_conformance.py) turns those into test results. Case order is deterministic, so every rank
+issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
+          torch.uint8, torch.bool]
+SHAPES = [(1,), (17,), (257,), (1823, 781)]  # irregular on purpose: odd chunk and share splits
+REDOPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
+          "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
+          "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def seeded(shape, rank: int, dtype: torch.dtype, redop: str = "sum") -> torch.Tensor:
+    """Rank ``rank``'s input: small integers chosen so that the reduction ``redop`` stays exact."""
+    i = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.int64).view(shape)
+    if dtype is torch.bool:
+        return (i + rank) % 3 == 0
+    if redop == "product":
+        values = (i + rank) % 2 + 1  # 1 or 2: products <= 2**world_size, exact everywhere
+    elif redop == "avg":
+        values = (i * 7) % 11 + 2 * rank  # the sum is a multiple of the world size: the mean is exact
+    else:
+        values = (i * 7 + rank * 3) % 11 + 1  # 1..11: sums <= 11 * world_size, exact in bfloat16
+    return values.to(dtype)
+
+
+def expected_reduction(shape, dtype, redop: str, ranks) -> torch.Tensor:
+    inputs = [seeded(shape, r, dtype, redop) for r in ranks]
+    if dtype is torch.bool:
+        stacked = torch.stack(inputs)
+        return stacked.all(0) if redop in ("min", "product", "band") else (
+            stacked.sum(0) % 2 == 1 if redop == "bxor" else stacked.any(0))
+    wide = [t.to(torch.float64 if dtype in FLOATS else torch.int64) for t in inputs]
+    result = wide[0].clone()
+    for t in wide[1:]:
+        result = {"sum": torch.add, "avg": torch.add, "product": torch.mul, "min": torch.minimum,
+                  "max": torch.maximum, "band": torch.bitwise_and, "bor": torch.bitwise_or,
+                  "bxor": torch.bitwise_xor}[redop](result, t)
+    if redop == "avg":
+        result = result / len(inputs)
+    return result.to(dtype)
+
+
+def applicable(redop: str, dtype: torch.dtype) -> bool:
+    if redop == "avg":
+        return dtype in FLOATS
+    if redop in ("band", "bor", "bxor"):
+        return dtype not in FLOATS
+    return True
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape/dtype {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} {want.dtype}"
+    bad = (got != want).reshape(-1).nonzero()
+    if bad.numel():
+        k = int(bad[0])
+        return f"{bad.numel()} elements differ, first at {k}: got {got.reshape(-1)[k]} want {want.reshape(-1)[k]}"
+    return None
+
+
+# --- the cases ----------------------------------------------------------------------------------
+# Each case function runs the collective on this rank and returns None or what went wrong.
+
+def case_all_reduce(shape, dtype, redop, rank, world, async_op=False, non_contiguous=False):
+    t = seeded(shape, rank, dtype, redop)
+    if non_contiguous and len(shape) == 2:
+        t = t.t().contiguous().t()  # same values, column-major strides
+        assert not t.is_contiguous()
+    work = dist.all_reduce(t, op=REDOPS[redop], async_op=async_op)
+    if async_op:
+        (fut_value,) = work.get_future().wait()
+        work.wait()
+        if fut_value.data_ptr() != t.data_ptr():
+            return "future did not complete with the reduced tensor"
+    return _mismatch(t, expected_reduction(shape, dtype, redop, range(world)))
+
+
+def case_broadcast(shape, dtype, rank, world, root):
+    t = seeded(shape, rank, dtype)
+    dist.broadcast(t, src=root)
+    return _mismatch(t, seeded(shape, root, dtype))
+
+
+def case_reduce(shape, dtype, redop, rank, world, root):
+    t = seeded(shape, rank, dtype, redop)
+    dist.reduce(t, dst=root, op=REDOPS[redop])
+    if rank == root:
+        return _mismatch(t, expected_reduction(shape, dtype, redop, range(world)))
+    # smddp leaves non-root tensors untouched (as NCCL does); torch leaves them unspecified (gloo
+    # uses them as scratch), so the reference run checks the root only.
+    return _mismatch(t, seeded(shape, rank, dtype, redop)) if dist.get_backend() == "smddp" else None
+
+
+def case_all_gather(shape, dtype, rank, world, form):
+    mine = seeded(shape, rank, dtype)
+    want = torch.cat([seeded(shape, r, dtype) for r in range(world)])
+    if form == "list":
+        outs = [torch.empty(shape, dtype=dtype) for _ in range(world)]
+        dist.all_gather(outs, mine)
+        return _mismatch(torch.cat(outs), want)
+    out = torch.empty((world * shape[0],) + tuple(shape[1:]), dtype=dtype)
+    if form == "in_place":
+        out.chunk(world)[rank].copy_(mine)
+        mine = out.chunk(world)[rank]
+    dist.all_gather_into_tensor(out, mine)
+    return _mismatch(out, want)
+
+
+def case_reduce_scatter(shape, dtype, redop, rank, world, form):
+    blocks = [seeded(shape, rank * world + q, dtype, redop) if redop != "avg" else seeded(shape, rank, dtype, redop)
+              for q in range(world)]
+    if redop == "avg":
+        want = expected_reduction(shape, dtype, redop, range(world))
+    else:
+        want = expected_reduction(shape, dtype, redop, [r * world + rank for r in range(world)])
+    if form == "list":
+        out = torch.empty(shape, dtype=dtype)
+        dist.reduce_scatter(out, blocks, op=REDOPS[redop])
+        return _mismatch(out, want)
+    inp = torch.cat(blocks)
+    out = inp.chunk(world)[rank] if form == "in_place" else torch.empty(shape, dtype=dtype)
+    dist.reduce_scatter_tensor(out, inp, op=REDOPS[redop])
+    return _mismatch(out, want)
+
+
+def case_all_to_all(shape, dtype, rank, world):
+    inp = torch.cat([seeded(shape, rank * world + q, dtype) for q in range(world)])
+    out = torch.empty_like(inp)
+    dist.all_to_all_single(out, inp)
+    return _mismatch(out, torch.cat([seeded(shape, q * world + rank, dtype) for q in range(world)]))
+
+
+def case_async_pipeline(rank, world):
+    """Several async ops in flight at once complete in order with the right values."""
+    tensors = [seeded((257,), rank, torch.float32) + k for k in range(8)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    chained = works[-1].get_future().then(lambda fut: fut.value()[0] * 2)
+    for w in works:
+        w.wait()
+    for k, t in enumerate(tensors):
+        want = expected_reduction((257,), torch.float32, "sum", range(world)) + k * world
+        if (problem := _mismatch(t, want)) is not None:
+            return f"async op {k}: {problem}"
+    return _mismatch(chained.wait(), tensors[-1] * 2)
+
+
+def case_barrier(rank, world):
+    for _ in range(3):
+        dist.barrier()
+
+
+def case_subgroup(rank, world):
+    """new_group over the even and the odd ranks (default backend); every rank creates both, as
+    torch requires, and uses its own. A world of one has no odd group (torch refuses empty ones)."""
+    groups = [dist.new_group([r for r in range(world) if r % 2 == parity]) for parity in (0, 1) if parity < world]
+    mine = groups[rank % 2]
+    members = [r for r in range(world) if r % 2 == rank % 2]
+    t = seeded((17,), rank, torch.float32)
+    dist.all_reduce(t, group=mine)
+    return _mismatch(t, expected_reduction((17,), torch.float32, "sum", members))
+
+
+def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dict]]:
+    """(group, case id, function, kwargs) in the one order every rank runs them."""
+    for dtype in DTYPES:
+        dn = str(dtype).replace("torch.", "")
+        for shape in SHAPES:
+            sn = "x".join(map(str, shape))
+            for redop in REDOPS:
+                if applicable(redop, dtype):
+                    yield "all_reduce", f"{redop}-{dn}-{sn}", case_all_reduce, dict(shape=shape, dtype=dtype, redop=redop)
+            for root in sorted({0, world - 1}):
+                yield "broadcast", f"root{root}-{dn}-{sn}", case_broadcast, dict(shape=shape, dtype=dtype, root=root)
+                yield "reduce", f"root{root}-{dn}-{sn}", case_reduce, dict(shape=shape, dtype=dtype, redop="sum", root=root)
+            for form in ("list", "tensor", "in_place"):
+                yield "all_gather", f"{form}-{dn}-{sn}", case_all_gather, dict(shape=shape, dtype=dtype, form=form)
+                for redop in ("sum", "max", "avg"):
+                    if applicable(redop, dtype):
+                        yield "reduce_scatter", f"{form}-{redop}-{dn}-{sn}", case_reduce_scatter, dict(
+                            shape=shape, dtype=dtype, redop=redop, form=form)
+            yield "all_to_all", f"{dn}-{sn}", case_all_to_all, dict(shape=shape, dtype=dtype)
+        yield "all_reduce", f"async-sum-{dn}", case_all_reduce, dict(shape=(257,), dtype=dtype, redop="sum", async_op=True)
+        yield "all_reduce", f"non_contiguous-{dn}", case_all_reduce, dict(
+            shape=(1823, 781), dtype=dtype, redop="max", non_contiguous=True)
+    yield "async", "pipeline", case_async_pipeline, {}
+    yield "barrier", "three", case_barrier, {}
+    yield "subgroup", "odd_even", case_subgroup, {}
+
+
+def run(backend: str = "smddp") -> dict[str, str]:
+    """Worker entry: initialise, run every case, report per case id."""
+    import smddp_lite
+
+    smddp_lite.init(backend=backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report = {}
+    for group, case_id, fn, kwargs in cases(world):
+        key = f"{group}/{case_id}"
+        try:
+            problem = fn(rank=rank, world=world, **kwargs)
+            report[key] = "ok" if problem is None else f"FAIL: {problem}"
+        except Exception as exc:  # recorded per case; reference backends lack some ops
+            report[key] = f"raised: {type(exc).__name__}: {str(exc)[:300]}"
+    dist.destroy_process_group()
+    return report

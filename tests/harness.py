@@ -1,0 +1,120 @@
+"""Start real multi-process jobs from pytest and collect what each rank reports.
+
+``launch`` starts ``world_size`` Python processes that rendezvous through a TCPStore this process
+hosts on a port the OS picks (``TORCHELASTIC_USE_AGENT_STORE`` makes every rank a client of it, as
+under torchrun's agent), so tests never race for a fixed port. ``launch_mpi`` starts the same
+worker under ``mpiexec`` with no RANK/WORLD_SIZE, the way MPI users launch. Each rank runs
+``tests/worker.py``, which calls ``module.function(**kwargs)`` and writes its JSON-able return value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "worker.py"
+
+
+@dataclasses.dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    value: Any  # what the function returned, or None
+    error: str | None  # the exception the function raised, formatted
+    output: str  # stdout + stderr, for failure messages
+
+
+def _base_env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMDDP_", "TORCHELASTIC_"))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    env.update(extra or {})
+    return env
+
+
+def _collect(procs, result_dir: Path, timeout: float) -> list[RankResult]:
+    results = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            out, _ = proc.communicate()
+            out = (out or "") + f"\n[harness] rank {rank} killed after {timeout} s"
+        path = result_dir / f"rank{rank}.json"
+        data = json.loads(path.read_text()) if path.exists() else {}
+        results.append(RankResult(rank, proc.returncode, data.get("value"), data.get("error"), out or ""))
+    return results
+
+
+def launch(target: str, world_size: int, *, env: dict[str, str] | None = None, timeout: float = 180,
+           rendezvous: bool = True, **kwargs: Any) -> list[RankResult]:
+    """Run ``target`` ("module:function") on ``world_size`` local ranks; returns one result per rank.
+
+    With ``rendezvous=False`` the ranks get no torchrun variables (only TEST_RANK and
+    TEST_WORLD_SIZE), for tests of explicit init methods.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="smddp-test-") as tmp:
+        procs = []
+        for rank in range(world_size):
+            rank_env = _base_env(env)
+            rank_env.update(TEST_RANK=str(rank), TEST_WORLD_SIZE=str(world_size))
+            if rendezvous:
+                rank_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), target, json.dumps(kwargs), tmp],
+                env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            ))
+        results = _collect(procs, Path(tmp), timeout)
+    del store
+    return results
+
+
+def mpiexec() -> str | None:
+    """Path of an MPI launcher whose mpi4py is importable here, else None."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return None
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def launch_mpi(target: str, world_size: int, *, env: dict[str, str] | None = None, timeout: float = 180,
+               **kwargs: Any) -> list[RankResult]:
+    """Run ``target`` under ``mpiexec -n world_size`` (no RANK/WORLD_SIZE: the MPI way)."""
+    with tempfile.TemporaryDirectory(prefix="smddp-mpi-") as tmp:
+        proc = subprocess.Popen(
+            [mpiexec(), "-n", str(world_size), sys.executable, str(WORKER), target, json.dumps(kwargs), tmp],
+            env=_base_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        )
+        (result,) = _collect([proc], Path(tmp), timeout)
+        results = []
+        for rank in range(world_size):
+            path = Path(tmp) / f"rank{rank}.json"
+            data = json.loads(path.read_text()) if path.exists() else {}
+            results.append(RankResult(rank, result.returncode, data.get("value"), data.get("error"), result.output))
+    return results
+
+
+def values(results: list[RankResult]) -> list[Any]:
+    """Every rank's return value, or an AssertionError with every failing rank's output."""
+    bad = [r for r in results if r.returncode != 0 or r.error is not None]
+    if bad:
+        raise AssertionError("\n\n".join(
+            f"--- rank {r.rank} exit {r.returncode}\n{r.error or ''}\n{r.output[-4000:]}" for r in bad))
+    return [r.value for r in results]

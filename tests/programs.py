@@ -1,0 +1,184 @@
+"""Programs that run on every rank of a test job (see harness.py); each returns what it observed."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import smddp_lite
+
+
+def _error_of(fn) -> dict:
+    """Run ``fn``; return the exception it raised (type, message, seconds until it raised)."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start,
+                "backend_error": isinstance(exc, dist.DistBackendError)}
+    return {"type": None, "message": "", "seconds": time.monotonic() - start, "backend_error": False}
+
+
+def _still_works() -> bool:
+    t = torch.ones(5)
+    dist.all_reduce(t)
+    return bool((t == dist.get_world_size()).all())
+
+
+def bad_input() -> dict:
+    """Every kind of bad input a rank can pass, on every rank; the group stays usable after each."""
+    smddp_lite.init()
+    cases = {
+        "dtype": lambda: dist.all_reduce(torch.ones(3, dtype=torch.float8_e4m3fn)),
+        "device": lambda: dist.all_reduce(torch.ones(3, device="meta")),
+        "sparse": lambda: dist.all_reduce(torch.ones(3).to_sparse()),
+        "avg_int": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG),
+        "bitwise_float": lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND),
+        "premul_sum": lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0)),
+        "gather_size": lambda: dist.all_gather_into_tensor(torch.empty(5), torch.ones(3)),
+        "scatter_size": lambda: dist.reduce_scatter_tensor(torch.empty(3), torch.ones(5)),
+        "list_count": lambda: dist.all_gather([torch.empty(3)], torch.ones(3)),
+        "root": lambda: dist.broadcast(torch.ones(3), src=dist.get_world_size() + 4),
+        "send": lambda: dist.send(torch.ones(3), dst=(dist.get_rank() + 1) % dist.get_world_size()),
+    }
+    report = {}
+    for name, fn in cases.items():
+        report[name] = _error_of(fn)
+        report[name]["usable_after"] = _still_works()
+    dist.destroy_process_group()
+    return report
+
+
+def mismatch(kind: str) -> dict:
+    """Ranks disagree on the size, dtype or op of one call: every rank must raise, promptly."""
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    calls = {
+        "size": lambda: dist.all_reduce(torch.ones(10 + rank)),
+        "dtype": lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank == 0 else torch.float64)),
+        "op": lambda: dist.all_reduce(torch.ones(10)) if rank == 0 else dist.broadcast(torch.ones(10), src=0),
+    }
+    return _error_of(calls[kind])
+
+
+def one_rank_refuses() -> dict:
+    """Rank 1 passes a tensor the backend refuses while rank 0 waits in the call."""
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    bad = torch.ones(3, dtype=torch.float8_e4m3fn) if dist.get_rank() == 1 else torch.ones(3)
+    return _error_of(lambda: dist.all_reduce(bad))
+
+
+def peer_dies() -> dict:
+    """Rank 1 exits abruptly; rank 0's next collective must raise naming it, well before the timeout."""
+    smddp_lite.init(timeout=timedelta(seconds=120))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os._exit(3)
+    return _error_of(lambda: dist.all_reduce(torch.ones(1000)))
+
+
+def peer_stuck() -> dict:
+    """Rank 1 never calls the collective; rank 0 raises once the group's 3 s timeout passes."""
+    smddp_lite.init(timeout=timedelta(seconds=3))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(12)
+        os._exit(0)
+    return _error_of(lambda: dist.all_reduce(torch.ones(1000)))
+
+
+def after_destroy() -> dict:
+    smddp_lite.init()
+    group = dist.group.WORLD
+    dist.destroy_process_group()
+    return {
+        "module_api": _error_of(lambda: dist.all_reduce(torch.ones(3))),
+        "stale_handle": _error_of(lambda: group.allreduce([torch.ones(3)]).wait()),
+    }
+
+
+def ddp_parity(steps: int = 12) -> dict:
+    """The same model trained with DDP on "smddp" and on "gloo", side by side in one job."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                   torch.nn.ReLU(), torch.nn.Linear(64, 5))
+
+    variants = {
+        "smddp": DDP(model(), process_group=dist.group.WORLD, bucket_cap_mb=0.01),
+        "gloo": DDP(model(), process_group=gloo, bucket_cap_mb=0.01),
+        "smddp_fp16_hook": DDP(model(), process_group=dist.group.WORLD, bucket_cap_mb=0.01),
+        "gloo_fp16_hook": DDP(model(), process_group=gloo, bucket_cap_mb=0.01),
+    }
+    variants["smddp_fp16_hook"].register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+    variants["gloo_fp16_hook"].register_comm_hook(gloo, default_hooks.fp16_compress_hook)
+    optims = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in variants.items()}
+    losses = {k: [] for k in variants}
+    teacher = torch.randn(33, 5, generator=torch.Generator().manual_seed(7))  # a learnable labelling
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of data
+    for step in range(steps):
+        x = torch.randn(16, 33, generator=gen)
+        y = (x @ teacher).argmax(1)
+        for name, ddp in variants.items():
+            optims[name].zero_grad()
+            if step % 4 == 3:  # gradient accumulation: one micro-batch under no_sync
+                with ddp.no_sync():
+                    torch.nn.functional.cross_entropy(ddp(x[:8]), y[:8]).backward()
+                x_step, y_step = x[8:], y[8:]
+            else:
+                x_step, y_step = x, y
+            loss = torch.nn.functional.cross_entropy(ddp(x_step), y_step)
+            loss.backward()
+            optims[name].step()
+            losses[name].append(loss.item())
+
+    def max_diff(a: str, b: str) -> float:
+        pa, pb = variants[a].parameters(), variants[b].parameters()
+        return max(float((p - q).abs().max()) for p, q in zip(pa, pb))
+
+    result = {
+        "plain": max_diff("smddp", "gloo"),
+        "fp16_hook": max_diff("smddp_fp16_hook", "gloo_fp16_hook"),
+        "losses": losses["smddp"],
+    }
+    dist.destroy_process_group()
+    return result
+
+
+def init_explicit(method: str, port: int = 0, path: str = "") -> dict:
+    """init with an explicit init_method and rank/world size (no torchrun variables)."""
+    rank, world = int(os.environ["TEST_RANK"]), int(os.environ["TEST_WORLD_SIZE"])
+    url = f"tcp://127.0.0.1:{port}" if method == "tcp" else f"file://{path}"
+    smddp_lite.init(init_method=url, rank=rank, world_size=world)
+    return _summary()
+
+
+def init_auto() -> dict:
+    """smddp_lite.init() with whatever the launcher provided (torchrun variables or MPI)."""
+    smddp_lite.init()
+    return _summary()
+
+
+def _summary() -> dict:
+    t = torch.full((4,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    result = {"rank": dist.get_rank(), "world": dist.get_world_size(), "backend": dist.get_backend(),
+              "sum": t.tolist(), "env_rank": os.environ.get("RANK")}
+    dist.destroy_process_group()
+    return result
+
+
+def file_url() -> str:
+    return os.path.join(tempfile.mkdtemp(prefix="smddp-init-"), "rendezvous")

@@ -1,0 +1,44 @@
+"""SMDDP_* environment variables: parsed in one place, typos and bad values refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from smddp_lite.config import BackendConfig, backend_config
+
+
+def test_defaults_and_overrides():
+    assert backend_config({}) == BackendConfig()
+    cfg = backend_config({"SMDDP_TRANSPORT": "Gloo", "SMDDP_DEBUG": "on", "SMDDP_SHM_CHUNK_BYTES": "0x10000"})
+    assert (cfg.transport, cfg.debug, cfg.shm_chunk_bytes) == ("gloo", True, 65536)
+    assert cfg.checks_collectives
+
+
+def test_unknown_variable_is_named_with_the_known_ones():
+    with pytest.raises(ValueError, match="SMDDP_TRANSPRT.*SMDDP_TRANSPORT"):
+        backend_config({"SMDDP_TRANSPRT": "gloo"})
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"SMDDP_TRANSPORT": "nccl2"}, "expected one of auto, shm, gloo, mpi"),
+    ({"SMDDP_DEBUG": "maybe"}, "not a boolean"),
+    ({"SMDDP_SHM_CHUNK_BYTES": "100"}, "multiple of 64"),
+    ({"SMDDP_SHM_CHUNK_BYTES": "lots"}, "not an integer"),
+])
+def test_bad_values_say_what_is_expected(env, words):
+    with pytest.raises(ValueError, match=words):
+        backend_config(env)
+
+
+def test_aws_only_variables_warn_instead_of_failing():
+    with pytest.warns(UserWarning, match="AWS SMDDP setting"):
+        assert backend_config({"SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES": "1"}) == BackendConfig()
+
+
+def test_sagemaker_import_path_registers_the_backend():
+    import torch.distributed as dist
+
+    import smddp_lite.torch_smddp  # noqa: F401
+
+    assert "SMDDP" in dist.Backend._plugins
+    assert dist.Backend._plugins["SMDDP"].creator_fn.__module__ == "smddp_lite.backend.process_group"

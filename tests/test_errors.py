@@ -1,0 +1,98 @@
+"""Bad input and failures: a clear error on every rank, in bounded time, never a hang."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from . import harness
+
+TRANSPORT_ENVS = {
+    "shm": {"SMDDP_TRANSPORT": "shm"},
+    # gloo and MPI check signatures only when asked (one extra small all_gather per call)
+    "gloo": {"SMDDP_TRANSPORT": "gloo", "SMDDP_CHECK_COLLECTIVES": "1"},
+}
+
+# what each bad input must say, in words a user can act on
+EXPECTED_WORDS = {
+    "dtype": ["float8_e4m3fn", "supported", "float32"],
+    "device": ["meta", ".cpu()"],
+    "sparse": ["dense", "to_dense"],
+    "avg_int": ["AVG", "int32"],
+    "bitwise_float": ["BAND", "float32"],
+    "premul_sum": ["not supported", "SUM"],
+    "gather_size": ["expected", "found 5"],
+    "scatter_size": ["expected", "found 5"],
+    "list_count": ["expected 2", "found 1"],
+    "root": ["root rank 6", "0..1"],
+    "send": ["send is not supported", "allreduce"],
+}
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
+def test_bad_input_raises_on_every_rank_and_group_stays_usable(transport):
+    reports = harness.values(harness.launch("tests.programs:bad_input", 2, env=TRANSPORT_ENVS[transport]))
+    for rank, report in enumerate(reports):
+        assert set(report) == set(EXPECTED_WORDS)
+        for case, words in EXPECTED_WORDS.items():
+            error = report[case]
+            assert error["type"] is not None, f"rank {rank} {case}: no error raised"
+            for word in words:
+                assert word in error["message"], f"rank {rank} {case}: {word!r} not in {error['message']!r}"
+            if case != "premul_sum" or "smddp" in error["message"]:
+                assert f"rank {rank}/2" in error["message"] or case == "premul_sum", error["message"]
+            assert error["usable_after"], f"rank {rank}: group unusable after {case}"
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
+@pytest.mark.parametrize("kind", ["size", "dtype", "op"])
+def test_mismatched_calls_raise_on_every_rank(transport, kind):
+    reports = harness.values(harness.launch("tests.programs:mismatch", 2, env=TRANSPORT_ENVS[transport], kind=kind))
+    for rank, error in enumerate(reports):
+        assert error["type"] == "CollectiveMismatchError", (rank, error)
+        assert error["backend_error"], "must be a torch DistBackendError"
+        assert "rank 0:" in error["message"] and "rank 1:" in error["message"], error["message"]
+        assert error["seconds"] < 30, error
+
+
+def test_rank_refusing_a_call_releases_its_waiting_peer():
+    reports = harness.values(harness.launch("tests.programs:one_rank_refuses", 2, env={"SMDDP_TRANSPORT": "shm"}))
+    assert reports[1]["type"] == "ValueError" and "float8_e4m3fn" in reports[1]["message"]
+    # rank 0 is inside the all_reduce when rank 1 refuses it: it hears so, long before the timeout
+    assert reports[0]["backend_error"] and "rank 1 refused this call" in reports[0]["message"], reports[0]
+    assert reports[0]["seconds"] < 20
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
+def test_dead_peer_raises_naming_rank_and_op(transport):
+    results = harness.launch("tests.programs:peer_dies", 2, env=TRANSPORT_ENVS[transport])
+    error = results[0].value
+    assert error is not None, results[0].output[-3000:]
+    assert error["backend_error"], error
+    assert "all_reduce" in error["message"], error
+    if transport == "shm":
+        assert "rank 1" in error["message"] and "died" in error["message"], error
+    assert error["seconds"] < 60, error  # the group timeout is 120 s: detected, not timed out
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
+def test_stuck_peer_times_out_with_the_group_timeout(transport):
+    results = harness.launch("tests.programs:peer_stuck", 2, env=TRANSPORT_ENVS[transport])
+    error = results[0].value
+    assert error is not None, results[0].output[-3000:]
+    assert error["backend_error"] and "all_reduce" in error["message"], error
+    assert 2.5 < error["seconds"] < 11, error
+
+
+def test_collectives_after_destroy_say_so():
+    (report,) = harness.values(harness.launch("tests.programs:after_destroy", 1))
+    assert "not been initialized" in report["module_api"]["message"]
+    assert "destroyed" in report["stale_handle"]["message"], report["stale_handle"]
+
+
+def test_use_before_init_says_so():
+    import smddp_lite  # noqa: F401  (registers the backend; no group is created)
+
+    with pytest.raises((RuntimeError, ValueError), match="init_process_group|not been initialized"):
+        dist.all_reduce(torch.ones(3))

@@ -1,0 +1,43 @@
+"""Every way a user starts a job: torchrun, explicit tcp:// and file://, and mpirun."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from . import harness, programs
+
+
+def _expect(results, world):
+    values = harness.values(results)
+    total = float(sum(range(1, world + 1)))
+    for rank, v in enumerate(values):
+        assert v["rank"] == rank and v["world"] == world and v["backend"] == "smddp", v
+        assert v["sum"] == [total] * 4, v
+    return values
+
+
+def test_env_rendezvous_like_torchrun():
+    _expect(harness.launch("tests.programs:init_auto", 2), 2)
+
+
+def test_tcp_init_method():
+    with socket.socket() as s:  # a free port from the OS, released just before the job binds it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _expect(harness.launch("tests.programs:init_explicit", 2, rendezvous=False, method="tcp", port=port), 2)
+
+
+def test_file_init_method():
+    _expect(harness.launch("tests.programs:init_explicit", 3, rendezvous=False, method="file",
+                           path=programs.file_url()), 3)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_mpirun_without_rank_variables(world):
+    if harness.mpiexec() is None:
+        pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+    values = _expect(harness.launch_mpi("tests.programs:init_auto", world), world)
+    assert [v["env_rank"] for v in values] == [str(r) for r in range(world)]
