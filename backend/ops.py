@@ -43,7 +43,6 @@ DTYPES: dict[torch.dtype, int] = {
     torch.int64: 6,
     torch.uint8: 7,
     torch.bool: 8,
-    torch.int8: 9,
 }
 DTYPE_BY_CODE = {code: dtype for dtype, code in DTYPES.items()}
 LOW_PRECISION = (torch.float16, torch.bfloat16)

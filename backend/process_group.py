@@ -4,7 +4,7 @@ Method names and signatures are c10d's, so ``dist.all_reduce`` and friends, DDP'
 ``new_group`` all reach them unchanged. Both spellings exist where torch renamed a method
 (``all_gather_single`` / ``_allgather_base``, ``reduce_scatter_single`` / ``_reduce_scatter_base``).
 Every call is checked on the calling thread (bad input raises at once, on every rank that passed
-it) and then runs on the group's communication thread, in call order.
+it) and then runs, in call order, on the group's communication thread or inline (see work.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._group_name = group_name
         self.transport, reason = create_transport(store, rank, world_size, global_ranks, timeout, self.config)
         self.collectives = Collectives(self.transport, self.config.checks_collectives)
-        self._comm = CommThread(name=f"smddp-comm-{group_name or 'default'}")
+        self._comm = CommThread(f"smddp-comm-{group_name or 'default'}", inline=self.transport.runs_inline)
         self._calls = 0
         self._failure: str | None = None
         self._closed = False
@@ -103,8 +103,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             raise TypeError(f"expected a torch.Tensor, found {type(t).__name__}")
         if t.device.type != "cpu":
             raise ValueError(
-                f"tensor is on {t.device}; this build of the smddp backend moves CPU tensors only. "
-                "Move it with .cpu(), or use backend='cpu:smddp,cuda:nccl' for CUDA tensors"
+                f"tensor is on {t.device}; this version of the smddp backend moves CPU tensors only. "
+                "Move it with .cpu(), or run CUDA collectives on a group created with "
+                "dist.new_group(backend='nccl')"
             )
         if t.layout != torch.strided:
             raise ValueError(f"expected a dense (strided) tensor, found layout {t.layout}; call .to_dense()")

@@ -1,9 +1,11 @@
 """Work handles and the per-group communication thread that completes them.
 
-Each process group runs its collectives, in call order, on one thread of its own: the CPU analogue
-of ProcessGroupNCCL's communication stream. ``async_op=True`` callers and DDP's reducer (which
-launches a bucket's all_reduce from the autograd thread) overlap communication with compute, and a
-synchronous call waits on the Work it gets back, as with every torch backend.
+A process group whose transport waits on a network runs its collectives, in call order, on one
+thread of its own: the CPU analogue of ProcessGroupNCCL's communication stream. ``async_op=True``
+callers and DDP's reducer (which launches a bucket's all_reduce from the autograd thread) then
+overlap communication with compute. Transports whose work is the CPU's own copying run on the
+caller's thread and hand back completed Work. Either way a caller waits on the Work it gets back,
+as with every torch backend.
 """
 
 from __future__ import annotations
@@ -84,30 +86,42 @@ def _as_backend_error(error: BaseException) -> BaseException:
     return wrapped
 
 
-class CommThread:
-    """Runs submitted collectives one after another on a daemon thread."""
+def run_into(fn: Callable[[], Any], work: SMDDPWork) -> SMDDPWork:
+    """Run ``fn`` now and complete ``work`` with its outcome."""
+    try:
+        fn()
+    except BaseException as exc:  # reported through the Work, as on the communication thread
+        work._finish(exc)
+    else:
+        work._finish(None)
+    return work
 
-    def __init__(self, name: str) -> None:
+
+class CommThread:
+    """Runs submitted collectives one after another on a daemon thread, or on the caller's
+    thread when ``inline`` (see ``Transport.runs_inline``)."""
+
+    def __init__(self, name: str, inline: bool) -> None:
+        self._inline = inline
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], SMDDPWork] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self._thread = None if inline else threading.Thread(target=self._loop, name=name, daemon=True)
+        if self._thread is not None:
+            self._thread.start()
 
     def submit(self, fn: Callable[[], Any], work: SMDDPWork) -> SMDDPWork:
+        if self._inline:
+            return run_into(fn, work)
         self._queue.put((fn, work))
         return work
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            fn, work = item
-            try:
-                fn()
-            except BaseException as exc:  # reported through the Work, never lost on this thread
-                work._finish(exc)
-            else:
-                work._finish(None)
+            run_into(*item)
 
     def stop(self) -> None:
         """Let queued collectives finish, then end the thread."""
+        if self._thread is None:
+            return
         self._queue.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)

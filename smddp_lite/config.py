@@ -17,8 +17,8 @@ import warnings
 from typing import Any, Mapping
 
 TRANSPORTS = ("auto", "shm", "gloo", "mpi")
-"""Transports the CPU path can use. "auto" picks shm when every rank of a group shares one
-host, else mpi when launched by mpiexec, else gloo."""
+"""Transports the CPU path can use. "auto" picks mpi when launched by mpiexec, else shm when
+every rank of a group shares one host, else gloo."""
 
 
 @dataclasses.dataclass(frozen=True)

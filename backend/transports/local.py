@@ -11,6 +11,7 @@ from .base import Transport
 class LocalTransport(Transport):
     name = "local"
     accumulates_low_precision = True  # nothing is summed
+    runs_inline = True
     checks_signatures = True  # nobody to disagree with
 
     def __init__(self) -> None:

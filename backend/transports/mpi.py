@@ -7,6 +7,7 @@ in float16, so the algorithms layer hands this transport float32 for 16-bit tens
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -25,6 +26,8 @@ def _mpi():
 _MPI_OP = {RedOp.SUM: "SUM", RedOp.PRODUCT: "PROD", RedOp.MIN: "MIN", RedOp.MAX: "MAX",
            RedOp.BAND: "BAND", RedOp.BOR: "BOR", RedOp.BXOR: "BXOR"}
 
+_YIELD_FOR_S = 0.02
+_SLEEP_S = 100e-6
 _world_rank_of_torch_rank: list[int] | None = None
 
 
@@ -75,19 +78,25 @@ class MPITransport(Transport):
             raise RuntimeError(f"{where(rank, world_size, 'init')} MPI rank {self.comm.Get_rank()} != group rank")
 
     def _wait(self, op: str, request) -> None:
-        """Poll ``request`` with a short back-off until done or the group's timeout passes."""
-        deadline = time.monotonic() + self.timeout_s
-        spins = 0
+        """Drive ``request`` to completion, raising once the group's timeout passes.
+
+        MPICH advances a non-blocking collective only inside MPI calls, so polls must be frequent:
+        each is followed by a sched_yield (which also drops the GIL) for the first _YIELD_FOR_S,
+        then by a short sleep, so long waits for a busy peer do not burn a core.
+        """
+        start = time.monotonic()
         while not request.Test():
-            spins += 1
-            if spins > 1000:
-                time.sleep(50e-6)
-                if time.monotonic() > deadline:
-                    raise PeerFailureError(
-                        f"{where(self.rank, self.world_size, op)} MPI collective did not complete within "
-                        f"the process group timeout ({self.timeout_s:.0f} s); a peer may be stuck or "
-                        "calling a different collective"
-                    )
+            waited = time.monotonic() - start
+            if waited < _YIELD_FOR_S:
+                os.sched_yield()
+                continue
+            time.sleep(_SLEEP_S)
+            if waited > self.timeout_s:
+                raise PeerFailureError(
+                    f"{where(self.rank, self.world_size, op)} MPI collective did not complete within "
+                    f"the process group timeout ({self.timeout_s:.0f} s); a peer may be stuck or "
+                    "calling a different collective"
+                )
 
     def _op(self, op: RedOp):
         return getattr(self._MPI, _MPI_OP[op])

@@ -31,7 +31,8 @@ HEADER = 4  # two headers of 6 fields: op seq, call index, op code, dtype code, 
 HEADER_FIELDS = ("seq", "call", "op", "dtype", "numel", "arg")
 CONTROL_WORDS = 16
 REASON_BYTES = 512
-_SPIN_BEFORE_YIELD = 2000  # ~0.1-0.2 ms of polling before giving the core away
+_YIELD_FOR_S = 0.02  # poll with sched_yield this long (a collective's peers are usually close)
+_SLEEP_S = 100e-6  # then poll every 0.1 ms: long waits are a peer still computing
 _CHECK_EVERY_S = 0.05  # how often a waiting rank looks for dead or aborted peers
 
 
@@ -97,15 +98,18 @@ class ShmSegment:
                 self._wait_for(peer)
 
     def _wait_for(self, peer: int) -> None:
+        """Poll ``peer``'s phase. Each poll first yields the core (sched_yield, which also drops the
+        GIL), so a rank that shares a core with its peer, or a training thread that shares the GIL
+        with this one, runs instead of being starved; after _YIELD_FOR_S of waiting, polls sleep."""
         phase, control = self.phase, self.control
-        for _ in range(_SPIN_BEFORE_YIELD):
-            if control[peer, PHASE] >= phase:
-                return
         start = time.monotonic()
         next_check = start + _CHECK_EVERY_S
         while control[peer, PHASE] < phase:
-            time.sleep(0 if time.monotonic() - start < 0.01 else 50e-6)
             now = time.monotonic()
+            if now - start < _YIELD_FOR_S:
+                os.sched_yield()
+            else:
+                time.sleep(_SLEEP_S)
             if now >= next_check:
                 self._check_peers(peer, now - start)
                 next_check = now + _CHECK_EVERY_S
