@@ -130,15 +130,19 @@ class Collectives:
             finish()
             unpack()
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """``output`` holds world_size blocks of ``input``'s numel, in rank order."""
+    def _move(self, op: str, output: torch.Tensor, input: torch.Tensor) -> None:
+        """A collective that only moves bytes (no arithmetic): any dtype travels as it is."""
         src, _ = _flat(input)
         dst, unpack = _flat(output)
-        self._agree("all_gather", src.dtype, src.numel())
+        self._agree(op, src.dtype, src.numel())
         if src.dtype is torch.bool:
             src, dst = src.view(torch.uint8), dst.view(torch.uint8)
-        self.transport.all_gather(dst, src)
+        getattr(self.transport, op)(dst, src)
         unpack()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``output`` holds world_size blocks of ``input``'s numel, in rank order."""
+        self._move("all_gather", output, input)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         """``output`` gets the reduction of block ``rank`` of every rank's ``input``."""
@@ -155,13 +159,8 @@ class Collectives:
         unpack()
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        src, _ = _flat(input)
-        dst, unpack = _flat(output)
-        self._agree("all_to_all", src.dtype, src.numel())
-        if src.dtype is torch.bool:
-            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
-        self.transport.all_to_all(dst, src)
-        unpack()
+        """Block ``q`` of ``input`` goes to rank ``q``; ``output`` block ``q`` comes from rank ``q``."""
+        self._move("all_to_all", output, input)
 
     def barrier(self) -> None:
         self._agree("barrier", None, 0)
