@@ -14,10 +14,12 @@ and under mpirun/mpiexec (rank and world size from the MPI launcher).
 import logging as _logging
 
 from ._registration import BACKEND_NAME, register as _register
+from .compiler import compile
+from .hyperparams import scale_lr
 from .launch import init
 
 __version__ = "0.1.0"
-__all__ = ["BACKEND_NAME", "init", "__version__"]
+__all__ = ["BACKEND_NAME", "compile", "init", "scale_lr", "__version__"]
 
 _register()
 

@@ -60,19 +60,64 @@ class BackendConfig:
         return self.debug or self.check_collectives
 
 
-# variable name -> (component, field). The one list of every SMDDP_* knob.
-ENV_VARS: dict[str, tuple[str, str]] = {
-    "SMDDP_TRANSPORT": ("backend", "transport"),
-    "SMDDP_DEBUG": ("backend", "debug"),
-    "SMDDP_CHECK_COLLECTIVES": ("backend", "check_collectives"),
-    "SMDDP_SHM_CHUNK_BYTES": ("backend", "shm_chunk_bytes"),
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    """Options of ``smddp_lite.compile`` (keyword arguments override the environment)."""
+
+    bucket_cap_mb: float = 25.0
+    """Gradient bytes per communication bucket (DDP's default). Env: ``SMDDP_BUCKET_CAP_MB``."""
+
+    first_bucket_mb: float = 1.0
+    """The first bucket (the last layers' gradients, ready first) is small so that
+    communication starts early in backward. Env: ``SMDDP_FIRST_BUCKET_MB``."""
+
+    wire_dtype: str | None = None
+    """Dtype gradients travel in: "float32", "bfloat16" or "float16" (or the torch dtype);
+    None keeps each parameter's dtype. Env: ``SMDDP_WIRE_DTYPE``."""
+
+    max_grad_norm: float | None = None
+    """Clip the global gradient 2-norm to this value; None disables clipping.
+    Env: ``SMDDP_MAX_GRAD_NORM``."""
+
+    debug: bool = False
+    """Log the bucket plan on rank 0 and per-step timings. Env: ``SMDDP_DEBUG``."""
+
+    def __post_init__(self) -> None:
+        wire = self.wire_dtype
+        if wire is not None and not isinstance(wire, str):
+            object.__setattr__(self, "wire_dtype", str(wire).replace("torch.", ""))
+        if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"smddp-lite: wire_dtype={wire!r} is not supported; expected one of "
+                f"{', '.join(WIRE_DTYPES)} (or torch.float32/bfloat16/float16), or None"
+            )
+        for name in ("bucket_cap_mb", "first_bucket_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"smddp-lite: {name}={getattr(self, name)!r} must be a positive number of MiB")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"smddp-lite: max_grad_norm={self.max_grad_norm!r} must be positive, or None for no clipping")
+
+
+# variable name -> every (component, field) it sets. The one list of every SMDDP_* knob.
+ENV_VARS: dict[str, tuple[tuple[str, str], ...]] = {
+    "SMDDP_TRANSPORT": (("backend", "transport"),),
+    "SMDDP_DEBUG": (("backend", "debug"), ("compile", "debug")),
+    "SMDDP_CHECK_COLLECTIVES": (("backend", "check_collectives"),),
+    "SMDDP_SHM_CHUNK_BYTES": (("backend", "shm_chunk_bytes"),),
+    "SMDDP_BUCKET_CAP_MB": (("compile", "bucket_cap_mb"),),
+    "SMDDP_FIRST_BUCKET_MB": (("compile", "first_bucket_mb"),),
+    "SMDDP_WIRE_DTYPE": (("compile", "wire_dtype"),),
+    "SMDDP_MAX_GRAD_NORM": (("compile", "max_grad_norm"),),
 }
 
 # Variables that AWS's SMDDP reads and this library does not need. Scripts brought over from
 # SageMaker may still set them, so they earn a warning rather than an error.
 _AWS_ONLY_VARS = ("SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES", "SMDDP_AG_SORT_BUFFER_SIZE_BYTES")
 
-_COMPONENTS = {"backend": BackendConfig}
+_COMPONENTS = {"backend": BackendConfig, "compile": CompileConfig}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -90,7 +135,14 @@ def _parse(name: str, raw: str, kind: Any) -> Any:
             return int(raw, 0)
         except ValueError:
             raise ValueError(f"smddp-lite: {name}={raw!r} is not an integer.") from None
-    return raw.strip().lower()
+    if kind in ("float", "float | None"):
+        if kind == "float | None" and raw.strip().lower() in ("", "none"):
+            return None
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"smddp-lite: {name}={raw!r} is not a number.") from None
+    return raw.strip().lower() or None
 
 
 def read_env(component: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -113,12 +165,24 @@ def read_env(component: str, environ: Mapping[str, str] | None = None) -> dict[s
                 f"smddp-lite: unknown environment variable {name}; known: {', '.join(sorted(ENV_VARS))}. "
                 "Fix the spelling or unset it."
             )
-        owner, field = ENV_VARS[name]
-        if owner == component:
-            values[field] = _parse(name, raw, fields[field])
+        for owner, field in ENV_VARS[name]:
+            if owner == component:
+                values[field] = _parse(name, raw, fields[field])
     return values
 
 
 def backend_config(environ: Mapping[str, str] | None = None) -> BackendConfig:
     """The backend configuration in force: defaults overridden by ``SMDDP_*`` variables."""
     return BackendConfig(**read_env("backend", environ))
+
+
+def compile_config(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> CompileConfig:
+    """``smddp_lite.compile`` options: defaults, then ``SMDDP_*`` variables, then keyword arguments.
+    Unknown keyword arguments are refused by name."""
+    known = {f.name for f in dataclasses.fields(CompileConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(
+            f"smddp_lite.compile: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    return CompileConfig(**{**read_env("compile", environ), **options})

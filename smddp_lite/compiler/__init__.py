@@ -1,0 +1,97 @@
+"""``smddp_lite.compile``: gradient buckets, overlapped collectives and a fused optimizer step.
+
+Policy (``buckets``: which parameters share a bucket) is kept apart from mechanism (``reducer``:
+when collectives launch and complete; ``kernels``: the arithmetic of one update).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from ..config import compile_config
+from .buckets import describe, materialize, plan_buckets
+from .model import CompiledModel
+from .optimizer import CompiledOptimizer, optimizer_family
+from .reducer import GradReducer
+
+log = logging.getLogger("smddp_lite")
+__all__ = ["compile", "CompiledModel", "CompiledOptimizer"]
+
+
+def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options) -> tuple[CompiledModel, CompiledOptimizer]:
+    """Bucket ``model``'s gradients for data-parallel training and fuse ``optimizer``'s step.
+
+    Args:
+        model: the bare module (not DDP-wrapped), its parameters on one device.
+        optimizer: torch.optim.AdamW, Adam or SGD over the model's trainable parameters. Use the
+            returned optimizer from now on; the one passed in is left behind.
+        **options: ``bucket_cap_mb``, ``first_bucket_mb``, ``wire_dtype``, ``max_grad_norm``,
+            ``debug`` (see ``smddp_lite.config.CompileConfig``); ``SMDDP_*`` variables set defaults.
+
+    Returns:
+        ``(model, optimizer)`` used like a DDP model and a torch optimizer: forward, backward
+        (``.grad`` then holds the gradient averaged over ranks), ``step()``, ``zero_grad()``,
+        ``state_dict()``. Without an initialised process group it runs on one rank.
+
+    Example::
+
+        model, optimizer = smddp_lite.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                              max_grad_norm=1.0, wire_dtype=torch.bfloat16)
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    """
+    config = compile_config(options)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("smddp_lite.compile: pass the bare module, not a DistributedDataParallel wrapper (use .module)")
+    family = optimizer_family(optimizer)
+    ordered = _ordered_params(model, optimizer)
+    devices = {p.device for _, p in ordered}
+    if len(devices) > 1:
+        raise ValueError(
+            f"smddp_lite.compile: parameters are on several devices ({', '.join(map(str, sorted(devices, key=str)))}); "
+            "move the model to one device first (model.to(device))"
+        )
+    group = dist.group.WORLD if dist.is_initialized() else None
+    world = dist.get_world_size() if group is not None else 1
+    mib = 2**20
+    buckets = plan_buckets(ordered, int(config.bucket_cap_mb * mib), int(config.first_bucket_mb * mib))
+    materialize(buckets)
+    if world > 1:  # start every rank from rank 0's weights, as DDP does
+        for b in buckets:
+            dist.broadcast(b.param_flat, src=0)
+        for buf in model.buffers():
+            dist.broadcast(buf, src=0)
+    wire = getattr(torch, config.wire_dtype) if config.wire_dtype else None
+    reducer = GradReducer(buckets, group, world, wire, want_norm=config.max_grad_norm is not None)
+    compiled_optimizer = CompiledOptimizer(optimizer, family, buckets, reducer, config.max_grad_norm)
+    if config.debug and (group is None or dist.get_rank() == 0):
+        names = {id(p): n for n, p in model.named_parameters()}
+        log.info("smddp_lite.compile: %s, %d buckets, world size %d, wire dtype %s, clipping %s\n%s",
+                 type(optimizer).__name__, len(buckets), world, config.wire_dtype or "as parameters",
+                 config.max_grad_norm, describe(buckets, names))
+    return CompiledModel(model, reducer), compiled_optimizer
+
+
+def _ordered_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.nn.Parameter]]:
+    """(param group index, parameter) in the order gradients become ready (reverse definition)."""
+    group_of = {}
+    for gi, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            group_of[id(p)] = gi
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if missing:
+        raise ValueError(
+            f"smddp_lite.compile: trainable parameter(s) {missing[:5]} are not in the optimizer; add them "
+            "or set requires_grad=False"
+        )
+    if len(group_of) != len(trainable):
+        raise ValueError(
+            f"smddp_lite.compile: the optimizer holds {len(group_of)} parameters, the model {len(trainable)} "
+            "trainable ones; build the optimizer from this model's parameters"
+        )
+    return [(group_of[id(p)], p) for p in reversed(trainable)]

@@ -1,0 +1,79 @@
+"""Policy: which parameters share a communication bucket, and in which order buckets go.
+
+A bucket holds parameters of one param group, device and dtype, so one fused kernel with one
+set of hyperparameters updates it. Gradients become ready roughly in reverse order of
+definition (autograd reaches the last layers first), so buckets are filled in that order; the
+first is small so that the first collective starts early in backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+log = logging.getLogger("smddp_lite")
+
+
+@dataclasses.dataclass
+class Bucket:
+    """One flat buffer of gradients (and of the parameters and optimizer state it updates)."""
+
+    index: int
+    group: int  # index into optimizer.param_groups
+    params: list[torch.nn.Parameter]
+    offsets: list[int]  # element offset of each parameter in the flat buffers
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    # set by materialize():
+    param_flat: torch.Tensor | None = None  # (numel,) every parameter's storage
+    grad_flat: torch.Tensor | None = None  # (numel,) every parameter's .grad
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return flat[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+
+def plan_buckets(ordered: list[tuple[int, torch.nn.Parameter]], cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
+    """Group ``(param group index, parameter)`` pairs, given in gradient-ready order, into buckets."""
+    buckets: list[Bucket] = []
+    open_by_key: dict[tuple, Bucket] = {}
+    for group, p in ordered:
+        key = (group, p.device, p.dtype)
+        bucket = open_by_key.get(key)
+        cap = first_cap_bytes if not buckets or bucket is buckets[0] else cap_bytes
+        if bucket is not None and (bucket.numel + p.numel()) * p.element_size() > cap and bucket.params:
+            bucket = None
+        if bucket is None:
+            bucket = Bucket(len(buckets), group, [], [], 0, p.dtype, p.device)
+            buckets.append(bucket)
+            open_by_key[key] = bucket
+        bucket.params.append(p)
+        bucket.offsets.append(bucket.numel)
+        bucket.numel += p.numel()
+    return buckets
+
+
+def materialize(buckets: list[Bucket]) -> None:
+    """Move every parameter's storage into its bucket's flat buffer and make ``.grad`` a view of
+    the flat gradient buffer, so the optimizer and the collectives see one tensor per bucket."""
+    for b in buckets:
+        b.param_flat = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+        b.grad_flat = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+        for i, p in enumerate(b.params):
+            view = b.view(b.param_flat, i)
+            view.copy_(p.detach())
+            p.data = view
+            p.grad = b.view(b.grad_flat, i)
+
+
+def describe(buckets: list[Bucket], names: dict[int, str]) -> str:
+    lines = []
+    for b in buckets:
+        first, last = names.get(id(b.params[0]), "?"), names.get(id(b.params[-1]), "?")
+        mib = b.numel * torch.empty(0, dtype=b.dtype).element_size() / 2**20
+        lines.append(f"  bucket {b.index}: group {b.group}, {len(b.params)} params ({first} .. {last}), "
+                     f"{b.numel} x {str(b.dtype).replace('torch.', '')} = {mib:.2f} MiB on {b.device}")
+    return "\n".join(lines)

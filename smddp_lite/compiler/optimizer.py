@@ -1,0 +1,152 @@
+"""The optimizer ``compile`` returns: a torch.optim.Optimizer whose step is one fused kernel per bucket.
+
+Its param_groups are torch's (LR schedulers work unchanged), and ``state_dict()`` /
+``load_state_dict()`` speak torch.optim's format, so a checkpoint loads into plain AdamW/SGD and
+back. Internally each state tensor is a view into a flat per-bucket buffer the kernel updates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import adam_step, sgd_step
+from .buckets import Bucket
+from .reducer import GradReducer
+
+SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
+
+
+def optimizer_family(optimizer: torch.optim.Optimizer) -> str:
+    """"adamw", "adam" or "sgd", or a ValueError that names what is supported."""
+    kind = type(optimizer)
+    family = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}.get(kind)
+    if family is None:
+        raise ValueError(f"smddp_lite.compile: {kind.__module__}.{kind.__name__} is not supported; supported: {SUPPORTED}")
+    for group in optimizer.param_groups:
+        for flag in ("amsgrad", "maximize", "differentiable"):
+            if group.get(flag):
+                raise ValueError(f"smddp_lite.compile: {kind.__name__}({flag}=True) is not supported; pass {flag}=False")
+        if family == "adam" and group.get("decoupled_weight_decay"):
+            family = "adamw"
+    return family
+
+
+_STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+class CompiledOptimizer(torch.optim.Optimizer):
+    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale/found_inf instead of unscaling
+
+    def __init__(self, inner: torch.optim.Optimizer, family: str, buckets: list[Bucket], reducer: GradReducer,
+                 max_grad_norm: float | None) -> None:
+        super().__init__([dict(g) for g in inner.param_groups], inner.defaults)
+        self.family, self.buckets, self.reducer, self.max_grad_norm = family, buckets, reducer, max_grad_norm
+        self.grad_scale: torch.Tensor | None = None  # set by GradScaler before step()
+        self.found_inf: torch.Tensor | None = None
+        self.last_grad_norm: torch.Tensor | None = None  # unscaled global norm of the last step
+        keys = self._state_keys()
+        # (numel,) flat state per bucket and key, and a step counter per bucket (device tensors)
+        self.flat_state = [{k: torch.zeros_like(b.param_flat) for k in keys} for b in buckets]
+        self.steps = [torch.zeros(1, dtype=torch.float32, device=b.device) for b in buckets]
+        self._lr = {b.device: [torch.zeros(1, dtype=torch.float32, device=b.device) for _ in self.param_groups]
+                    for b in buckets}
+        self._import(inner.state)
+
+    def _state_keys(self) -> tuple[str, ...]:
+        if self.family == "sgd" and all(g["momentum"] == 0 for g in self.param_groups):
+            return ()
+        return _STATE_KEYS[self.family]
+
+    # torch.optim.Optimizer interface -----------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale, found_inf = self._grad_multiplier()
+        for b, state, step in zip(self.buckets, self.flat_state, self.steps):
+            group = self.param_groups[b.group]
+            lr = self._lr[b.device][b.group]
+            lr.copy_(group["lr"]) if torch.is_tensor(group["lr"]) else lr.fill_(group["lr"])
+            step.add_(1.0 - found_inf.to(step.device))  # a skipped step does not count
+            common = dict(lr=lr, step=step, scale=scale.to(b.device), found_inf=found_inf.to(b.device))
+            if self.family == "sgd":
+                sgd_step(b.param_flat, b.grad_flat, state.get("momentum_buffer"), momentum=group["momentum"],
+                         dampening=group["dampening"], weight_decay=group["weight_decay"],
+                         nesterov=group["nesterov"], **common)
+            else:
+                beta1, beta2 = group["betas"]
+                adam_step(b.param_flat, b.grad_flat, state["exp_avg"], state["exp_avg_sq"], beta1=beta1,
+                          beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                          decoupled=self.family == "adamw", **common)
+        self.grad_scale = self.found_inf = None  # GradScaler sets them again before its next step
+        return loss
+
+    def _grad_multiplier(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1 / loss scale x clipping coefficient, found_inf) as float32 device tensors."""
+        device = self.buckets[0].device if self.buckets else torch.device("cpu")
+        inv_scale = (torch.ones(1, device=device) if self.grad_scale is None
+                     else self.grad_scale.to(device, torch.float32).reciprocal().reshape(1))
+        found_inf = (torch.zeros(1, device=device) if self.found_inf is None
+                     else self.found_inf.to(device, torch.float32).reshape(1))
+        if self.max_grad_norm is None:
+            return inv_scale, found_inf
+        self.last_grad_norm = self.reducer.grad_norm().to(device) * inv_scale
+        # torch.nn.utils.clip_grad_norm_'s coefficient, kept on the device
+        coef = (self.max_grad_norm / (self.last_grad_norm + 1e-6)).clamp(max=1.0)
+        return inv_scale * coef, found_inf
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buckets in place (one fill per bucket). Gradients stay allocated,
+        as views of the buckets, whatever ``set_to_none`` says."""
+        for b in self.buckets:
+            b.grad_flat.zero_()
+
+    # checkpoints in torch.optim's format --------------------------------------------------------
+    def state_dict(self):
+        self._publish_state()
+        sd = super().state_dict()
+        for entry in sd["state"].values():  # one step tensor per parameter, as torch keeps them
+            if "step" in entry:
+                entry["step"] = entry["step"].detach().to("cpu", torch.float32).clone()
+        return sd
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._import(self.state)
+
+    def _publish_state(self) -> None:
+        """Make ``self.state[p]`` torch's entries: views into the flat buffers."""
+        for b, flat, step in zip(self.buckets, self.flat_state, self.steps):
+            taken = float(step.item())
+            for i, p in enumerate(b.params):
+                if self.family == "sgd":
+                    buf = b.view(flat["momentum_buffer"], i) if "momentum_buffer" in flat and taken > 0 else None
+                    self.state[p] = {"momentum_buffer": buf}
+                elif taken > 0:
+                    self.state[p] = {"step": step.reshape(()), **{k: b.view(v, i) for k, v in flat.items()}}
+                else:
+                    self.state.pop(p, None)
+
+    def _import(self, state) -> None:
+        """Copy torch-format state (from the wrapped optimizer or a checkpoint) into the flats."""
+        for b, flat, step in zip(self.buckets, self.flat_state, self.steps):
+            steps = set()
+            for i, p in enumerate(b.params):
+                entry = state.get(p, {})
+                for key, buf in flat.items():
+                    if entry.get(key) is not None:
+                        b.view(buf, i).copy_(entry[key])
+                if self.family == "sgd":
+                    steps.add(1.0 if entry.get("momentum_buffer") is not None else 0.0)
+                else:
+                    steps.add(float(entry["step"]) if "step" in entry else 0.0)
+            if len(steps) > 1:
+                raise ValueError(
+                    f"smddp_lite.compile: the optimizer state gives the parameters of bucket {b.index} "
+                    f"different step counts {sorted(steps)}; the fused update needs one per bucket. "
+                    "Load a checkpoint written by a run whose parameters all stepped together."
+                )
+            step.fill_(steps.pop() if steps else 0.0)
+        self.state.clear()

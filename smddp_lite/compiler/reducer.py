@@ -1,0 +1,107 @@
+"""Mechanism: launch each bucket's collective as soon as its last gradient is accumulated.
+
+A post-accumulate-grad hook per parameter counts down its bucket; buckets are launched strictly
+in index order (so every rank issues the same collectives in the same order whatever order
+autograd happens to finish them in), asynchronously, overlapping the rest of backward. A
+callback queued at the end of backward waits for all of them, so ``.grad`` holds the averaged
+gradient when ``backward()`` returns, as with DDP, and computes each bucket's sum of squares
+for gradient clipping while the bucket is still hot.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .buckets import Bucket
+
+log = logging.getLogger("smddp_lite")
+
+
+class GradReducer:
+    def __init__(self, buckets: list[Bucket], group, world_size: int, wire_dtype: torch.dtype | None,
+                 want_norm: bool) -> None:
+        self.buckets, self.group, self.world_size, self.want_norm = buckets, group, world_size, want_norm
+        self.sync = True  # False inside no_sync(): gradients only accumulate
+        # (numel,) wire-dtype copy of each bucket, when gradients travel in another dtype
+        self.wire = [torch.empty(b.numel, dtype=wire_dtype, device=b.device)
+                     if wire_dtype is not None and wire_dtype != b.dtype and world_size > 1 else None
+                     for b in buckets]
+        self.sumsq = [torch.zeros((), dtype=torch.float32, device=b.device) for b in buckets]
+        self._pending = [len(b.params) for b in buckets]
+        self._works: list = [None] * len(buckets)
+        self._next = 0  # first bucket not launched yet
+        self._in_backward = False
+        self._warned_unused = False
+        for b in buckets:
+            for i, p in enumerate(b.params):
+                p.register_post_accumulate_grad_hook(self._hook(b, i))
+
+    def _hook(self, bucket: Bucket, i: int):
+        view = bucket.view(bucket.grad_flat, i)
+
+        def on_grad_ready(param: torch.nn.Parameter) -> None:
+            if param.grad is not view and param.grad.data_ptr() != view.data_ptr():
+                # someone set .grad to None (model.zero_grad()) and autograd stored a fresh tensor
+                view.copy_(param.grad)
+                param.grad = view
+            if not self._in_backward:
+                self._in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            if self.sync:
+                self._pending[bucket.index] -= 1
+                self._launch_ready()
+
+        return on_grad_ready
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        if self.world_size == 1:
+            return
+        wire = self.wire[b.index]
+        if wire is None:
+            self._works[b.index] = dist.all_reduce(b.grad_flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        else:
+            # divide before the sum: a float16 wire then cannot overflow where float32 would not
+            torch.mul(b.grad_flat, 1.0 / self.world_size, out=wire)
+            self._works[b.index] = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def _finish_backward(self) -> None:
+        self._in_backward = False
+        if not self.sync:
+            return
+        if self._next < len(self.buckets):
+            self._warn_unused()
+            for i in range(self._next, len(self.buckets)):
+                self._pending[i] = 0
+            self._launch_ready()
+        for b in self.buckets:
+            work = self._works[b.index]
+            if work is not None:
+                work.wait()
+                if self.wire[b.index] is not None:
+                    b.grad_flat.copy_(self.wire[b.index])
+            if self.want_norm:
+                self.sumsq[b.index] = torch.linalg.vector_norm(b.grad_flat, dtype=torch.float32).square()
+        self._works = [None] * len(self.buckets)
+        self._pending = [len(b.params) for b in self.buckets]
+        self._next = 0
+
+    def _warn_unused(self) -> None:
+        if self._warned_unused:
+            return
+        self._warned_unused = True
+        missing = sum(self._pending[self._next:])
+        log.warning("smddp_lite.compile: %d parameter(s) got no gradient in this backward; their gradient "
+                    "is taken as what their bucket holds (zero after zero_grad) and they are updated like "
+                    "the others. Every rank must leave out the same parameters.", missing)
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global 2-norm of the (averaged, still loss-scaled) gradients, as a device tensor."""
+        return torch.stack([s.to(self.sumsq[0].device) for s in self.sumsq]).sum().sqrt()

@@ -1,0 +1,47 @@
+"""What every launcher shares: when to use Triton, block size, argument checks."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BLOCK = 2048  # elements per program: 8 KiB of each fp32 stream, enough to hide load latency
+
+
+def use_triton(device: torch.device, force: bool | None) -> bool:
+    """Triton for CUDA tensors; on the CPU only under TRITON_INTERPRET=1 and when asked
+    (tests), because the pure-torch reference is the faster CPU path."""
+    if force is not None:
+        return force
+    return device.type == "cuda"
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_buffers(name: str, flat: dict[str, torch.Tensor], scalars: dict[str, torch.Tensor]) -> int:
+    """All streams flat, contiguous, equally long, on one device; scalars 1-element float32."""
+    first = next(iter(flat.values()))
+    for key, t in flat.items():
+        if t.dim() != 1 or not t.is_contiguous() or t.numel() != first.numel() or t.device != first.device:
+            raise ValueError(
+                f"{name}: {key} must be a flat contiguous tensor of {first.numel()} elements on {first.device}; "
+                f"found shape {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
+            )
+    for key, t in scalars.items():
+        if t.numel() != 1 or t.dtype != torch.float32 or t.device != first.device:
+            raise ValueError(
+                f"{name}: {key} must be a 1-element float32 tensor on {first.device}; found "
+                f"{t.numel()} elements of {t.dtype} on {t.device}"
+            )
+    return first.numel()
+
+
+def skipped_on_host(found_inf: torch.Tensor) -> bool | None:
+    """On the CPU reading found_inf costs nothing, so the reference can return early; on an
+    accelerator that would be a host sync, so the caller masks instead (returns None)."""
+    if found_inf.device.type == "cpu":
+        return bool(found_inf.item())
+    return None

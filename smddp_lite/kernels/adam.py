@@ -1,0 +1,112 @@
+"""Fused Adam / AdamW update over one flat bucket: one read of each stream, one write of each state.
+
+Per element it reads grad, param, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq:
+28 bytes per float32 parameter, the floor for an Adam step. The gradient is multiplied by
+``scale`` (1 / loss scale x clipping coefficient) on the way in, so unscaling and clipping cost
+no pass of their own. ``lr``, ``step``, ``scale`` and ``found_inf`` are device tensors: a
+scheduler changing the learning rate changes a value, not the compiled kernel, and nothing
+waits on the host. A step with ``found_inf`` != 0 changes nothing (the caller leaves ``step``
+where it was).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._launch import BLOCK, check_buffers, skipped_on_host, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference path needs no Triton
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr,
+                     lr_ptr, step_ptr, scale_ptr, found_inf_ptr,
+                     n, beta1, beta2, eps, weight_decay,
+                     DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets: buckets may pass 2**31 elements
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        found_inf = tl.load(found_inf_ptr)
+        # a step with inf/nan gradients touches nothing: no element is in bounds
+        mask = offs < tl.where(found_inf == 0, n, 0)
+        lr = tl.load(lr_ptr)
+        step = tl.load(step_ptr)
+        scale = tl.load(scale_ptr)
+
+        p = tl.load(param_ptr + offs, mask=mask).to(tl.float32)
+        g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32) * scale
+        m = tl.load(exp_avg_ptr + offs, mask=mask).to(tl.float32)
+        v = tl.load(exp_avg_sq_ptr + offs, mask=mask).to(tl.float32)
+
+        if DECOUPLED:  # AdamW: decay the weights themselves
+            p = p * (1.0 - lr * weight_decay)
+        else:  # Adam: L2 penalty folded into the gradient
+            g = g + weight_decay * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        bias1 = 1.0 - tl.exp(step * tl.log(beta1))
+        bias2 = 1.0 - tl.exp(step * tl.log(beta2))
+        denom = tl.sqrt(v) / tl.sqrt(bias2) + eps
+        p = p - (lr / bias1) * m / denom
+
+        tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=mask)
+        tl.store(exp_avg_ptr + offs, m.to(exp_avg_ptr.dtype.element_ty), mask=mask)
+        tl.store(exp_avg_sq_ptr + offs, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+
+
+def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, beta1, beta2, eps,
+              weight_decay, decoupled, force_triton: bool | None = None) -> None:
+    """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (flat, same length) in place.
+
+    Args:
+        lr, step, scale, found_inf: 1-element float32 tensors on the buffers' device; ``step``
+            already counts this step.
+        decoupled: True for AdamW's weight decay, False for Adam's L2 penalty.
+        force_triton: None picks Triton on CUDA and the reference elsewhere; True/False force it
+            (tests run the kernel on CPU tensors with TRITON_INTERPRET=1).
+    """
+    n = check_buffers("adam_step", dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq),
+                      dict(lr=lr, step=step, scale=scale, found_inf=found_inf))
+    if not use_triton(param.device, force_triton):
+        adam_reference(param, grad, exp_avg, exp_avg_sq, lr=lr, step=step, scale=scale, found_inf=found_inf,
+                       beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+        return
+    if triton is None:
+        raise ImportError("adam_step: Triton is not installed; pip install triton")
+    if n == 0:
+        return
+    grid = (triton.cdiv(n, BLOCK),)
+    _adam_kernel[grid](param, grad, exp_avg, exp_avg_sq, lr, step, scale, found_inf,
+                       n, float(beta1), float(beta2), float(eps), float(weight_decay),
+                       DECOUPLED=bool(decoupled), BLOCK=BLOCK)
+
+
+def adam_reference(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, beta1, beta2, eps,
+                   weight_decay, decoupled) -> None:
+    """The same update in plain torch ops (the CPU path and the kernel's oracle).
+
+    Reads grad, param, exp_avg, exp_avg_sq once each in the math below, but torch runs each op
+    as its own pass, so it moves several times the kernel's 28 bytes per parameter.
+    """
+    skip = skipped_on_host(found_inf)
+    if skip:
+        return
+    keep = None if skip is not None else found_inf == 0  # masks the writes on an accelerator
+    g = grad.float() * scale
+    p = param.float()
+    if decoupled:
+        p = p * (1.0 - lr * weight_decay)
+    else:
+        g = g + weight_decay * p
+    m = exp_avg.float().lerp(g, 1.0 - beta1) if beta1 != 1.0 else exp_avg.float()
+    v = exp_avg_sq.float() * beta2 + (1.0 - beta2) * g * g
+    bias1 = 1.0 - beta1 ** step
+    bias2 = 1.0 - beta2 ** step
+    p = p - (lr / bias1) * m / (v.sqrt() / bias2.sqrt() + eps)
+    for dst, src in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
+        dst.copy_(src if keep is None else torch.where(keep, src, dst.float()))
