@@ -41,8 +41,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
                  max_grad_norm: float | None) -> None:
         super().__init__([dict(g) for g in inner.param_groups], inner.defaults)
         self.family, self.buckets, self.reducer, self.max_grad_norm = family, buckets, reducer, max_grad_norm
-        self.grad_scale: torch.Tensor | None = None  # set by GradScaler before step()
-        self.found_inf: torch.Tensor | None = None
+        # GradScaler sets self.grad_scale and self.found_inf before step() and deletes them after
         self.last_grad_norm: torch.Tensor | None = None  # unscaled global norm of the last step
         keys = self._state_keys()
         # (numel,) flat state per bucket and key, and a step counter per bucket (device tensors)
@@ -53,8 +52,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         self._import(inner.state)
 
     def _state_keys(self) -> tuple[str, ...]:
-        if self.family == "sgd" and all(g["momentum"] == 0 for g in self.param_groups):
-            return ()
+        # SGD gets a momentum buffer even with momentum 0: a scheduler (OneCycleLR) may turn it on
         return _STATE_KEYS[self.family]
 
     # torch.optim.Optimizer interface -----------------------------------------------------------
@@ -80,16 +78,16 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 adam_step(b.param_flat, b.grad_flat, state["exp_avg"], state["exp_avg_sq"], beta1=beta1,
                           beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                           decoupled=self.family == "adamw", **common)
-        self.grad_scale = self.found_inf = None  # GradScaler sets them again before its next step
         return loss
 
     def _grad_multiplier(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(1 / loss scale x clipping coefficient, found_inf) as float32 device tensors."""
         device = self.buckets[0].device if self.buckets else torch.device("cpu")
-        inv_scale = (torch.ones(1, device=device) if self.grad_scale is None
-                     else self.grad_scale.to(device, torch.float32).reciprocal().reshape(1))
-        found_inf = (torch.zeros(1, device=device) if self.found_inf is None
-                     else self.found_inf.to(device, torch.float32).reshape(1))
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        inv_scale = (torch.ones(1, device=device) if grad_scale is None
+                     else grad_scale.to(device, torch.float32).reciprocal().reshape(1))
+        found_inf = (torch.zeros(1, device=device) if found_inf is None
+                     else found_inf.to(device, torch.float32).reshape(1))
         if self.max_grad_norm is None:
             return inv_scale, found_inf
         self.last_grad_norm = self.reducer.grad_norm().to(device) * inv_scale
@@ -122,7 +120,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
             taken = float(step.item())
             for i, p in enumerate(b.params):
                 if self.family == "sgd":
-                    buf = b.view(flat["momentum_buffer"], i) if "momentum_buffer" in flat and taken > 0 else None
+                    active = taken > 0 and self.param_groups[b.group]["momentum"] != 0
+                    buf = b.view(flat["momentum_buffer"], i) if active else None
                     self.state[p] = {"momentum_buffer": buf}
                 elif taken > 0:
                     self.state[p] = {"step": step.reshape(()), **{k: b.view(v, i) for k, v in flat.items()}}

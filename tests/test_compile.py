@@ -1,0 +1,232 @@
+"""smddp_lite.compile on one rank: equivalence with torch.optim, AMP, checkpoints, bad input.
+
+Each test trains the compiled model and an eager copy (the reference: torch.optim with
+clip_grad_norm_(foreach=True) and GradScaler.unscale_ where used) on the same batches and
+compares the loss every step and the parameters at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import smddp_lite
+
+STEPS = 25
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(13, 31), torch.nn.Tanh(), torch.nn.Linear(31, 17),
+                               torch.nn.Tanh(), torch.nn.Linear(17, 5))
+
+
+def _batches(n: int = STEPS):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(24, 13, generator=gen), torch.randint(0, 5, (24,), generator=gen)) for _ in range(n)]
+
+
+def _groups(model: torch.nn.Module, **second):
+    """Two param groups with different hyperparameters: weights and biases."""
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": weights}, {"params": biases, **second}]
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.05),
+    "adam_l2": lambda ps: torch.optim.Adam(ps, lr=2e-3, weight_decay=0.01, betas=(0.8, 0.99)),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    "sgd_dampening": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.5, dampening=0.3),
+    "sgd_plain": lambda ps: torch.optim.SGD(ps, lr=0.1),
+}
+
+
+def _train(model, optimizer, batches, *, clip=None, scaler=None, poison=(), scheduler=None):
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if step in poison:
+            loss = loss * float("inf")  # inf/nan gradients: the scaler must skip this step
+        losses.append(loss.item())
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            if clip is not None:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+            optimizer.step()
+        optimizer.zero_grad()
+        if scheduler:
+            scheduler.step()
+    return losses
+
+
+def _compare(compiled, eager, losses_c, losses_e, tol=dict(rtol=2e-5, atol=2e-6)):
+    # float32 throughout; the fused update orders a few operations differently: ulps per step
+    torch.testing.assert_close(torch.tensor(losses_c), torch.tensor(losses_e), **tol)
+    for (name, a), b in zip(compiled.module.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("clip", [None, 0.3])
+def test_matches_torch_optim_with_schedule_groups_and_clipping(name, clip):
+    eager = _model()
+    model = copy.deepcopy(eager)
+    make = OPTIMIZERS[name]
+    opt_e = make(_groups(eager, lr=1e-3 if "adam" in name else 0.02, weight_decay=0.0))
+    compiled, opt_c = smddp_lite.compile(model, make(_groups(model, lr=1e-3 if "adam" in name else 0.02,
+                                                                weight_decay=0.0)), max_grad_norm=clip)
+    sched_e = torch.optim.lr_scheduler.OneCycleLR(opt_e, max_lr=[0.01, 0.005], total_steps=STEPS)
+    sched_c = torch.optim.lr_scheduler.OneCycleLR(opt_c, max_lr=[0.01, 0.005], total_steps=STEPS)
+    batches = _batches()
+    losses_e = _train(eager, opt_e, batches, clip=clip, scheduler=sched_e)
+    losses_c = _train(compiled, opt_c, batches, scheduler=sched_c)
+    _compare(compiled, eager, losses_c, losses_e)
+    if clip is not None:
+        assert opt_c.last_grad_norm is not None and opt_c.last_grad_norm.numel() == 1
+
+
+@pytest.mark.parametrize("clip", [None, 0.3])
+def test_grad_scaler_skips_inf_steps_like_torch(clip):
+    eager = _model()
+    model = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=3e-3)
+    compiled, opt_c = smddp_lite.compile(model, torch.optim.AdamW(model.parameters(), lr=3e-3), max_grad_norm=clip)
+    scaler_e = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=4)
+    scaler_c = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=4)
+    batches = _batches()
+    losses_e = _train(eager, opt_e, batches, clip=clip, scaler=scaler_e, poison=(3, 4, 11))
+    losses_c = _train(compiled, opt_c, batches, scaler=scaler_c, poison=(3, 4, 11))
+    assert scaler_c.get_scale() == scaler_e.get_scale()  # the same steps were skipped
+    finite = [i for i in range(STEPS) if i not in (3, 4, 11)]
+    _compare(compiled, eager, [losses_c[i] for i in finite], [losses_e[i] for i in finite])
+    assert opt_c.state_dict()["state"][0]["step"].item() == STEPS - 3  # skipped steps do not count
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
+def test_checkpoints_move_both_ways_between_compiled_and_torch(name):
+    make = OPTIMIZERS[name]
+    batches = _batches(12)
+    base = _model()
+    # compiled for 6 steps, then its checkpoint resumes in plain torch.optim
+    model_a = copy.deepcopy(base)
+    compiled, opt_c = smddp_lite.compile(model_a, make(model_a.parameters()))
+    _train(compiled, opt_c, batches[:6])
+    plain = copy.deepcopy(model_a)
+    opt_p = make(plain.parameters())
+    # state_dict() returns references to live state, as torch's does: copy it, as saving would
+    opt_p.load_state_dict(copy.deepcopy(opt_c.state_dict()))
+    # ... and plain torch's checkpoint resumes in a freshly compiled copy
+    model_b = copy.deepcopy(model_a)
+    compiled_b, opt_b = smddp_lite.compile(model_b, make(model_b.parameters()))
+    opt_b.load_state_dict(copy.deepcopy(opt_p.state_dict()))
+    losses_p = _train(plain, opt_p, batches[6:])
+    losses_a = _train(compiled, opt_c, batches[6:])
+    losses_b = _train(compiled_b, opt_b, batches[6:])
+    _compare(compiled, plain, losses_a, losses_p)
+    _compare(compiled_b, plain, losses_b, losses_p)
+
+
+def test_gradient_accumulation_with_no_sync_and_grads_are_bucket_views():
+    eager = _model()
+    model = copy.deepcopy(eager)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    compiled, opt_c = smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=0.001,
+                                         first_bucket_mb=0.0005)
+    assert len(opt_c.buckets) > 2  # small caps: several buckets
+    (x1, y1), (x2, y2) = _batches(2)
+    for net, ctx in ((eager, None), (compiled, compiled.no_sync())):
+        if ctx:
+            with ctx:
+                torch.nn.functional.cross_entropy(net(x1), y1).backward()
+        else:
+            torch.nn.functional.cross_entropy(net(x1), y1).backward()
+        torch.nn.functional.cross_entropy(net(x2), y2).backward()
+    opt_e.step()
+    opt_c.step()
+    for a, b in zip(compiled.module.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)
+        owners = [bk for bk in opt_c.buckets if any(p is a for p in bk.params)]
+        assert len(owners) == 1 and owners[0].grad_flat.data_ptr() <= a.grad.data_ptr()
+
+
+def test_model_zero_grad_set_to_none_is_repaired():
+    model = _model()
+    compiled, opt = smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    (x, y), = _batches(1)
+    compiled.module.zero_grad(set_to_none=True)  # autograd will store fresh tensors
+    torch.nn.functional.cross_entropy(compiled(x), y).backward()
+    flat = opt.buckets[0]
+    assert all(p.grad is not None for p in flat.params)
+    assert flat.grad_flat.abs().sum() > 0  # the fresh gradients were copied into the bucket
+
+
+def test_unused_parameter_is_documented_behaviour(caplog):
+    model = _model()
+    model.add_module("unused", torch.nn.Linear(3, 3))
+    compiled, opt = smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    (x, y), = _batches(1)
+    with caplog.at_level(logging.WARNING, logger="smddp_lite"):
+        smddp_lite_logger = logging.getLogger("smddp_lite")
+        smddp_lite_logger.propagate = True
+        try:
+            torch.nn.functional.cross_entropy(compiled.module[:5](x), y).backward()
+        finally:
+            smddp_lite_logger.propagate = False
+    assert "got no gradient" in caplog.text
+    before = model.unused.weight.detach().clone()
+    opt.step()
+    assert torch.equal(model.unused.weight, before)  # zero gradient, no weight decay: unchanged
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda m: torch.optim.RMSprop(m.parameters()), "RMSprop is not supported; supported: torch.optim.AdamW"),
+    (lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True), r"amsgrad=True\) is not supported"),
+    (lambda m: torch.optim.SGD(list(m.parameters())[:2], lr=0.1), "not in the optimizer"),
+])
+def test_unsupported_optimizers_are_refused_by_name(make, match):
+    model = _model()
+    with pytest.raises(ValueError, match=match):
+        smddp_lite.compile(model, make(model))
+
+
+def test_bad_options_and_models_are_refused():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="unknown option.*bucket_size.*known: bucket_cap_mb"):
+        smddp_lite.compile(model, opt, bucket_size=4)
+    with pytest.raises(ValueError, match="wire_dtype=.*int8"):
+        smddp_lite.compile(model, opt, wire_dtype="int8")
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        smddp_lite.compile(model, opt, max_grad_norm=-1.0)
+    mixed = _model()
+    mixed[0].to("meta")
+    with pytest.raises(ValueError, match="several devices"):
+        smddp_lite.compile(mixed, torch.optim.SGD(mixed.parameters(), lr=0.1))
+
+
+def test_options_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SMDDP_MAX_GRAD_NORM", "0.25")
+    model = _model()
+    _, opt = smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert opt.max_grad_norm == 0.25
+    model = _model()
+    _, opt = smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=None)
+    assert opt.max_grad_norm is None  # a keyword argument beats the environment
+
+
+def test_scale_lr_rule():
+    assert smddp_lite.scale_lr(1e-3, 4) == pytest.approx(4e-3)
+    assert smddp_lite.scale_lr(1e-3, 4, "sqrt") == pytest.approx(2e-3)
+    with pytest.raises(ValueError, match="linear' or 'sqrt"):
+        smddp_lite.scale_lr(1e-3, 4, "cubic")
