@@ -88,7 +88,7 @@ class GradReducer:
                 if self.wire[b.index] is not None:
                     b.grad_flat.copy_(self.wire[b.index])
             if self.want_norm:
-                self.sumsq[b.index] = torch.linalg.vector_norm(b.grad_flat, dtype=torch.float32).square()
+                self.bucket_norm(b)
         self._works = [None] * len(self.buckets)
         self._pending = [len(b.params) for b in self.buckets]
         self._next = 0
@@ -101,6 +101,10 @@ class GradReducer:
         log.warning("smddp_lite.compile: %d parameter(s) got no gradient in this backward; their gradient "
                     "is taken as what their bucket holds (zero after zero_grad) and they are updated like "
                     "the others. Every rank must leave out the same parameters.", missing)
+
+    def bucket_norm(self, b: Bucket) -> None:
+        """Record the bucket's squared 2-norm (one read of its reduced gradients)."""
+        self.sumsq[b.index] = torch.linalg.vector_norm(b.grad_flat, dtype=torch.float32).square()
 
     def grad_norm(self) -> torch.Tensor:
         """Global 2-norm of the (averaged, still loss-scaled) gradients, as a device tensor."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import BLOCK, check_buffers, skipped_on_host, use_triton
+from ._launch import BLOCK, check_buffers, skipped_on_host, torch_fused_cpu, use_triton
 
 try:
     import triton
@@ -67,12 +67,20 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
         lr, step, scale, found_inf: 1-element float32 tensors on the buffers' device; ``step``
             already counts this step.
         decoupled: True for AdamW's weight decay, False for Adam's L2 penalty.
-        force_triton: None picks Triton on CUDA and the reference elsewhere; True/False force it
-            (tests run the kernel on CPU tensors with TRITON_INTERPRET=1).
+        force_triton: None picks Triton on CUDA, torch's fused CPU kernel on the CPU (else the
+            reference); True forces the Triton kernel (tests run it on CPU tensors with
+            TRITON_INTERPRET=1), False the reference.
     """
     n = check_buffers("adam_step", dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq),
                       dict(lr=lr, step=step, scale=scale, found_inf=found_inf))
     if not use_triton(param.device, force_triton):
+        fused = "_fused_adamw_" if decoupled else "_fused_adam_"
+        if force_triton is None and torch_fused_cpu(param.device, fused):
+            # torch's kernel divides by grad_scale (and writes the unscaled gradient back)
+            getattr(torch, fused)([param], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=float(lr),
+                                  beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
+                                  maximize=False, grad_scale=scale.reciprocal(), found_inf=found_inf)
+            return
         adam_reference(param, grad, exp_avg, exp_avg_sq, lr=lr, step=step, scale=scale, found_inf=found_inf,
                        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
         return

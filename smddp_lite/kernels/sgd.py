@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import BLOCK, check_buffers, skipped_on_host, use_triton
+from ._launch import BLOCK, check_buffers, skipped_on_host, torch_fused_cpu, use_triton
 
 try:
     import triton
@@ -60,6 +60,13 @@ def sgd_step(param, grad, momentum_buffer, *, lr, step, scale, found_inf, moment
         streams["momentum_buffer"] = momentum_buffer
     n = check_buffers("sgd_step", streams, dict(lr=lr, step=step, scale=scale, found_inf=found_inf))
     if not use_triton(param.device, force_triton):
+        if force_triton is None and torch_fused_cpu(param.device, "_fused_sgd_"):
+            # on the CPU reading ``step`` is free; torch's kernel divides by grad_scale
+            torch._fused_sgd_([param], [grad], [momentum_buffer] if momentum != 0 else [],
+                              weight_decay=weight_decay, momentum=momentum, lr=float(lr), dampening=dampening,
+                              nesterov=nesterov, maximize=False, is_first_step=bool(step.item() == 1.0),
+                              grad_scale=scale.reciprocal(), found_inf=found_inf)
+            return
         sgd_reference(param, grad, momentum_buffer, lr=lr, step=step, scale=scale, found_inf=found_inf,
                       momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         return
