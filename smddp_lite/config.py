@@ -17,6 +17,7 @@ import warnings
 from typing import Any, Mapping
 
 TRANSPORTS = ("auto", "shm", "gloo", "mpi")
+ALGORITHMS = ("auto", "flat", "hierarchical")
 """Transports the CPU path can use. "auto" picks mpi when launched by mpiexec, else shm when
 every rank of a group shares one host, else gloo."""
 
@@ -42,7 +43,35 @@ class BackendConfig:
     working set (2 ranks x 2 buffers) inside the L2/L3 caches of the machines we measured on.
     Env: ``SMDDP_SHM_CHUNK_BYTES``."""
 
+    algorithm: str = "auto"
+    """How all_reduce, all_gather and reduce_scatter cross hosts: "hierarchical" (inside each
+    host first, then one balanced share per rank across hosts, the Herring/SMDDP scheme), "flat"
+    (one ring over all ranks), or "auto" (hierarchical on several hosts with equal rank counts
+    for messages of at least ``hierarchical_min_bytes``). Env: ``SMDDP_ALGORITHM``."""
+
+    hierarchical_min_bytes: int = 256 << 10
+    """Smaller messages take the flat path under "auto": three phases cost more latency than they
+    save bandwidth. Env: ``SMDDP_HIERARCHICAL_MIN_BYTES``."""
+
+    inter_node_wire_dtype: str | None = None
+    """Send float32 sums between hosts as "bfloat16" or "float16" (accumulated in float32 at
+    each end); None sends them as they are. Env: ``SMDDP_INTER_NODE_WIRE_DTYPE``."""
+
+    hostname: str | None = None
+    """Host identity used to find ranks that share a machine; defaults to the hostname. Set it
+    per rank to simulate several hosts on one machine (tests). Env: ``SMDDP_HOSTNAME``."""
+
     def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"smddp-lite: SMDDP_ALGORITHM={self.algorithm!r} is not an algorithm; expected one of "
+                f"{', '.join(ALGORITHMS)}."
+            )
+        if self.inter_node_wire_dtype not in (None, "bfloat16", "float16"):
+            raise ValueError(
+                f"smddp-lite: SMDDP_INTER_NODE_WIRE_DTYPE={self.inter_node_wire_dtype!r}; expected bfloat16 "
+                "or float16, or unset for no compression."
+            )
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"smddp-lite: SMDDP_TRANSPORT={self.transport!r} is not a transport; expected one of "
@@ -107,6 +136,10 @@ ENV_VARS: dict[str, tuple[tuple[str, str], ...]] = {
     "SMDDP_DEBUG": (("backend", "debug"), ("compile", "debug")),
     "SMDDP_CHECK_COLLECTIVES": (("backend", "check_collectives"),),
     "SMDDP_SHM_CHUNK_BYTES": (("backend", "shm_chunk_bytes"),),
+    "SMDDP_ALGORITHM": (("backend", "algorithm"),),
+    "SMDDP_HIERARCHICAL_MIN_BYTES": (("backend", "hierarchical_min_bytes"),),
+    "SMDDP_INTER_NODE_WIRE_DTYPE": (("backend", "inter_node_wire_dtype"),),
+    "SMDDP_HOSTNAME": (("backend", "hostname"),),
     "SMDDP_BUCKET_CAP_MB": (("compile", "bucket_cap_mb"),),
     "SMDDP_FIRST_BUCKET_MB": (("compile", "first_bucket_mb"),),
     "SMDDP_WIRE_DTYPE": (("compile", "wire_dtype"),),
@@ -142,6 +175,8 @@ def _parse(name: str, raw: str, kind: Any) -> Any:
             return float(raw)
         except ValueError:
             raise ValueError(f"smddp-lite: {name}={raw!r} is not a number.") from None
+    if name == "SMDDP_HOSTNAME":  # a name, not a choice: keep its case
+        return raw.strip() or None
     return raw.strip().lower() or None
 
 

@@ -14,8 +14,11 @@ import pytest
 from . import conformance, harness
 
 GROUPS = sorted({group for group, *_ in conformance.cases(2)})
-# (name, world sizes, backend, environment, launcher)
+HIER = {"SMDDP_ALGORITHM": "hierarchical"}
+# (name, world sizes, backend, environment, launcher); "hier*" run 2 simulated hosts x 2 ranks
 TRANSPORTS = [
+    ("hier", (4,), "smddp", HIER, "env"),
+    ("hier-bf16-wire", (4,), "smddp", {**HIER, "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}, "env"),
     ("local", (1,), "smddp", {}, "env"),
     ("shm", (2, 3), "smddp", {"SMDDP_TRANSPORT": "shm"}, "env"),
     ("gloo", (2, 3), "smddp", {"SMDDP_TRANSPORT": "gloo"}, "env"),
@@ -33,8 +36,14 @@ PARAMS = [
 
 @functools.lru_cache(maxsize=None)
 def _job(name: str, world: int, backend: str, env_items: tuple, launcher: str):
-    run = harness.launch_mpi if launcher == "mpi" else harness.launch
-    return harness.values(run("tests.conformance:run", world, env=dict(env_items), backend=backend, timeout=600))
+    env = dict(env_items)
+    if launcher == "mpi":
+        results = harness.launch_mpi("tests.conformance:run", world, env=env, backend=backend, timeout=600)
+    else:  # hierarchical runs see hosts of 2 ranks, all on this machine
+        hosts_of = 2 if name.startswith("hier") else 0
+        results = harness.launch("tests.conformance:run", world, env=env, backend=backend, timeout=600,
+                                 hosts_of=hosts_of)
+    return harness.values(results)
 
 
 @pytest.mark.parametrize("name, world, backend, env, launcher, group", PARAMS)

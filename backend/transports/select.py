@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import socket
 
 from ..errors import where
 from .base import Transport
+from .hierarchical import Topology
+
+log = logging.getLogger("smddp_lite")
 
 MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
 
@@ -17,26 +21,41 @@ def launched_by_mpi() -> bool:
     return any(v in os.environ for v in MPI_LAUNCHER_VARS)
 
 
-def host_name() -> str:
-    """The host identity used to find ranks that can share memory."""
-    return socket.gethostname()
+def host_name(config) -> str:
+    """The host identity used to find ranks that can share memory (SMDDP_HOSTNAME overrides)."""
+    return config.hostname or socket.gethostname()
 
 
-def _choose(store, rank: int, world_size: int, forced: str) -> tuple[str, str]:
-    """(transport, reason); ranks publish their host name, rank 0 decides."""
-    store.set(f"host/{rank}", host_name())
+def _shm_possible() -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
+
+
+def _choose(store, rank: int, world_size: int, config) -> tuple[str, str, list[str]]:
+    """(transport, reason, every rank's host); ranks publish their host name, rank 0 decides."""
+    store.set(f"host/{rank}", host_name(config))
+    hosts = [store.get(f"host/{r}").decode() for r in range(world_size)]
     if rank != 0:
         name, reason = store.get("transport").decode().split("|", 1)
-        return name, reason
-    hosts = [store.get(f"host/{r}").decode() for r in range(world_size)]
+        return name, reason, hosts
+    forced = config.transport
     same_host = len(set(hosts)) == 1
+    topo = Topology(hosts)
+    layered = len(topo.local) > 1 and topo.uniform and len(topo.local[0]) > 1
+    if config.algorithm == "hierarchical" or (config.algorithm == "auto" and forced == "auto"):
+        if layered:
+            name, reason = "hierarchical", f"{topo.describe()}: shared memory inside hosts, gloo between"
+            store.set("transport", f"{name}|{reason}")
+            return name, reason, hosts
+        if config.algorithm == "hierarchical":
+            log.info("smddp: SMDDP_ALGORITHM=hierarchical has no effect on %s; using a flat transport",
+                     topo.describe())
     if forced != "auto":
         name, reason = forced, "forced by SMDDP_TRANSPORT"
     elif launched_by_mpi() and _has_mpi4py():
         # measured on one 2-core host: MPICH's shared-memory path has half our shm transport's
         # small-message latency (35 vs 60 us) and the same bandwidth (benchmarks/results/)
         name, reason = "mpi", f"launched by mpiexec, ranks on {len(set(hosts))} host(s)"
-    elif same_host and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm"):
+    elif same_host and _shm_possible():
         name, reason = "shm", f"all {world_size} ranks on host {hosts[0]}"
     else:
         name, reason = "gloo", f"ranks on {len(set(hosts))} hosts"
@@ -46,7 +65,7 @@ def _choose(store, rank: int, world_size: int, forced: str) -> tuple[str, str]:
             f"hosts {sorted(set(hosts))}. Unset SMDDP_TRANSPORT or use gloo/mpi."
         )
     store.set("transport", f"{name}|{reason}")
-    return name, reason
+    return name, reason, hosts
 
 
 def _has_mpi4py() -> bool:
@@ -63,11 +82,28 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
         from .local import LocalTransport
 
         return LocalTransport(), "a group of one rank"
-    name, reason = _choose(store, rank, world_size, config.transport)
+    name, reason, hosts = _choose(store, rank, world_size, config)
     if name == "shm":
         from .shm import ShmTransport
 
         return ShmTransport(store, rank, world_size, config.shm_chunk_bytes, timeout), reason
+    if name == "hierarchical":
+        from .hierarchical import HierarchicalTransport
+
+        def intra(sub_store, sub_rank, sub_size):
+            if sub_size == 1:
+                from .local import LocalTransport
+
+                return LocalTransport()
+            if _shm_possible():
+                from .shm import ShmTransport
+
+                return ShmTransport(sub_store, sub_rank, sub_size, config.shm_chunk_bytes, timeout)
+            from .gloo import GlooTransport
+
+            return GlooTransport(sub_store, sub_rank, sub_size, timeout)
+
+        return HierarchicalTransport(store, rank, world_size, Topology(hosts), intra, timeout, config), reason
     if name == "mpi":
         if not _has_mpi4py():
             raise ImportError(

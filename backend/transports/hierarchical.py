@@ -1,0 +1,183 @@
+"""Hierarchical collectives for ranks on several hosts (the Herring / SMDDP scheme).
+
+all_reduce: reduce-scatter inside each host (shared memory), all-reduce of each rank's shard
+with the ranks of the same local index on the other hosts (so every host's link carries 1/L of
+the data, L ranks per host, and every rank talks), then all-gather inside the host. all_gather
+and reduce_scatter are split the same way. Everything else, and messages below
+``hierarchical_min_bytes``, take a flat gloo ring over all ranks.
+
+Between hosts, a floating-point SUM can travel as bfloat16/float16: the shard is exchanged in
+the wire dtype with an all-to-all, each rank sums its slice in float32, and the sums travel
+back in the wire dtype. A 16-bit input (the compiled step's wire dtype) takes that path in its
+own dtype, so gradients stay 16-bit on the network and are still accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..ops import LOW_PRECISION, RedOp
+from .base import Transport
+from .gloo import GlooTransport
+
+log = logging.getLogger("smddp_lite")
+
+
+class Topology:
+    """Which global ranks share a host: ``local[k]`` lists host k's ranks, lowest first."""
+
+    def __init__(self, hosts: list[str]) -> None:
+        names = list(dict.fromkeys(hosts))  # hosts in order of their first rank
+        self.local = [[r for r, h in enumerate(hosts) if h == name] for name in names]
+        self.names = names
+        self.node_of = {r: k for k, ranks in enumerate(self.local) for r in ranks}
+
+    @property
+    def uniform(self) -> bool:
+        return len({len(ranks) for ranks in self.local}) == 1
+
+    def describe(self) -> str:
+        return f"{len(self.local)} hosts x {len(self.local[0])} ranks" if self.uniform else \
+            f"{len(self.local)} hosts with {[len(r) for r in self.local]} ranks"
+
+
+class HierarchicalTransport(Transport):
+    name = "hierarchical"
+    accumulates_low_precision = True  # shm sums 16-bit in float32; so does the inter-host step
+
+    def __init__(self, store, rank: int, world_size: int, topology: Topology, intra_factory, timeout, config) -> None:
+        super().__init__(rank, world_size)
+        self.topo = topology
+        self.node = topology.node_of[rank]
+        self.local_rank = topology.local[self.node].index(rank)
+        self.nodes, self.per_node = len(topology.local), len(topology.local[0])
+        self.min_bytes = config.hierarchical_min_bytes
+        self.always = config.algorithm == "hierarchical"
+        self.wire = getattr(torch, config.inter_node_wire_dtype) if config.inter_node_wire_dtype else None
+        self.debug = config.debug
+        self.intra = intra_factory(dist.PrefixStore(f"intra{self.node}", store), self.local_rank, self.per_node)
+        self.inter = GlooTransport(dist.PrefixStore(f"inter{self.local_rank}", store), self.node, self.nodes, timeout)
+        self.flat = GlooTransport(dist.PrefixStore("flat", store), rank, world_size, timeout)
+        # node-major rank order; identity for the usual launch (ranks numbered host by host)
+        self.order = [r for ranks in topology.local for r in ranks]
+        self._logged: set[tuple[str, bool]] = set()
+
+    def _hierarchical(self, op: str, nbytes: int) -> bool:
+        use = self.always or nbytes >= self.min_bytes
+        if self.debug and self.rank == 0 and (op, use) not in self._logged:
+            self._logged.add((op, use))
+            log.info("smddp: %s of %d bytes runs %s (%s, threshold %d bytes)", op, nbytes,
+                     "hierarchical" if use else "flat", self.topo.describe(), self.min_bytes)
+        return use
+
+    # all_reduce ---------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
+        if not self._hierarchical("all_reduce", tensor.numel() * tensor.element_size()):
+            return self._flat_all_reduce(tensor, op)
+        n, L = tensor.numel(), self.per_node
+        s = math.ceil(n / L)
+        padded = tensor if n == s * L else torch.cat([tensor, tensor.new_zeros(s * L - n)])
+        shard = torch.empty(s, dtype=tensor.dtype)
+        self.intra.reduce_scatter(shard, padded, op)  # (s,) this host's sum of my share
+        self._inter_all_reduce(shard, op)
+        self.intra.all_gather(padded, shard)
+        if padded is not tensor:
+            tensor.copy_(padded[:n])
+
+    def _inter_all_reduce(self, shard: torch.Tensor, op: RedOp) -> None:
+        floating = shard.dtype.is_floating_point
+        wire = self.wire if shard.dtype not in LOW_PRECISION else shard.dtype
+        if op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
+            return self._compressed_sum(shard, wire)
+        if shard.dtype in LOW_PRECISION:  # gloo on its own would not accumulate in float32
+            wide = shard.float()
+            self.inter.all_reduce(wide, op)
+            shard.copy_(wide)
+        else:
+            self.inter.all_reduce(shard, op)
+
+    def _compressed_sum(self, shard: torch.Tensor, wire: torch.dtype) -> None:
+        """Sum ``shard`` across hosts with ``wire`` on the network and float32 arithmetic."""
+        N, s = self.nodes, shard.numel()
+        sub = math.ceil(s / N)
+        send = torch.zeros(N * sub, dtype=wire)
+        send[:s].copy_(shard)
+        slices = torch.empty(N * sub, dtype=wire)
+        self.inter.all_to_all(slices, send)  # block q: host q's values of my slice
+        total = slices.view(N, sub).float().sum(0).to(wire)  # each slice summed by one host only
+        gathered = torch.empty(N * sub, dtype=wire)
+        self.inter.all_gather(gathered, total)
+        shard.copy_(gathered[:s])
+
+    def _flat_all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
+        if tensor.dtype in LOW_PRECISION:
+            wide = tensor.float()
+            self.flat.all_reduce(wide, op)
+            tensor.copy_(wide)
+        else:
+            self.flat.all_reduce(tensor, op)
+
+    # all_gather / reduce_scatter -----------------------------------------------------------------
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        if not self._hierarchical("all_gather", output.numel() * output.element_size()):
+            return self.flat.all_gather(output, input)
+        m, L = input.numel(), self.per_node
+        host = torch.empty(L * m, dtype=input.dtype)
+        self.intra.all_gather(host, input)
+        if self.order == list(range(self.world_size)):
+            self.inter.all_gather(output, host)
+            return
+        node_major = torch.empty_like(output)
+        self.inter.all_gather(node_major, host)
+        output.view(self.world_size, m)[self.order] = node_major.view(self.world_size, m)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+        if not self._hierarchical("reduce_scatter", input.numel() * input.element_size()):
+            return self._flat_reduce_scatter(output, input, op)
+        m, L, N = output.numel(), self.per_node, self.nodes
+        # (L, N, m): for each local index j, the blocks of the ranks with that index, host by host
+        index = [self.topo.local[k][j] for j in range(L) for k in range(N)]
+        grouped = input.view(self.world_size, m)[index].reshape(-1)
+        host_sums = torch.empty(N * m, dtype=input.dtype)
+        self.intra.reduce_scatter(host_sums, grouped, op)  # my index's blocks, summed over my host
+        if input.dtype in LOW_PRECISION:
+            wide = torch.empty(m, dtype=torch.float32)
+            self.inter.reduce_scatter(wide, host_sums.float(), op)
+            output.copy_(wide)
+        else:
+            self.inter.reduce_scatter(output, host_sums, op)
+
+    def _flat_reduce_scatter(self, output, input, op) -> None:
+        if input.dtype in LOW_PRECISION:
+            wide = torch.empty(output.numel(), dtype=torch.float32)
+            self.flat.reduce_scatter(wide, input.float(), op)
+            output.copy_(wide)
+        else:
+            self.flat.reduce_scatter(output, input, op)
+
+    # the rest is flat ----------------------------------------------------------------------------
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        self.flat.broadcast(tensor, root)
+
+    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
+        if tensor.dtype in LOW_PRECISION:
+            wide = tensor.float()
+            self.flat.reduce(wide, root, op)
+            if self.rank == root:
+                tensor.copy_(wide)
+        else:
+            self.flat.reduce(tensor, root, op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.flat.all_to_all(output, input)
+
+    def barrier(self) -> None:
+        self.flat.barrier()
+
+    def close(self) -> None:
+        for t in (self.intra, self.inter, self.flat):
+            t.close()
