@@ -60,12 +60,14 @@ def _collect(procs, result_dir: Path, timeout: float) -> list[RankResult]:
 
 
 def launch(target: str, world_size: int, *, env: dict[str, str] | None = None, timeout: float = 180,
-           rendezvous: bool = True, hosts_of: int = 0, **kwargs: Any) -> list[RankResult]:
+           rendezvous: bool = True, hosts_of: int = 0, interleaved_hosts: int = 0,
+           **kwargs: Any) -> list[RankResult]:
     """Run ``target`` ("module:function") on ``world_size`` local ranks; returns one result per rank.
 
     With ``rendezvous=False`` the ranks get no torchrun variables (only TEST_RANK and
     TEST_WORLD_SIZE), for tests of explicit init methods. ``hosts_of=k`` simulates hosts of k
-    ranks each (SMDDP_HOSTNAME=sim-host-<rank // k>).
+    ranks each (SMDDP_HOSTNAME=sim-host-<rank // k>); ``interleaved_hosts=n`` deals ranks to n
+    hosts in turn (sim-host-<rank % n>), so ranks are not numbered host by host.
     """
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="smddp-test-") as tmp:
@@ -75,6 +77,8 @@ def launch(target: str, world_size: int, *, env: dict[str, str] | None = None, t
             rank_env.update(TEST_RANK=str(rank), TEST_WORLD_SIZE=str(world_size))
             if hosts_of:
                 rank_env["SMDDP_HOSTNAME"] = f"sim-host-{rank // hosts_of}"
+            if interleaved_hosts:
+                rank_env["SMDDP_HOSTNAME"] = f"sim-host-{rank % interleaved_hosts}"
             if rendezvous:
                 rank_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                                 LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",

@@ -19,6 +19,7 @@ HIER = {"SMDDP_ALGORITHM": "hierarchical"}
 TRANSPORTS = [
     ("hier", (4,), "smddp", HIER, "env"),
     ("hier-bf16-wire", (4,), "smddp", {**HIER, "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}, "env"),
+    ("hier-interleaved", (4,), "smddp", HIER, "env"),  # ranks 0, 2 on one host: reordering paths
     ("local", (1,), "smddp", {}, "env"),
     ("shm", (2, 3), "smddp", {"SMDDP_TRANSPORT": "shm"}, "env"),
     ("gloo", (2, 3), "smddp", {"SMDDP_TRANSPORT": "gloo"}, "env"),
@@ -40,9 +41,9 @@ def _job(name: str, world: int, backend: str, env_items: tuple, launcher: str):
     if launcher == "mpi":
         results = harness.launch_mpi("tests.conformance:run", world, env=env, backend=backend, timeout=600)
     else:  # hierarchical runs see hosts of 2 ranks, all on this machine
-        hosts_of = 2 if name.startswith("hier") else 0
-        results = harness.launch("tests.conformance:run", world, env=env, backend=backend, timeout=600,
-                                 hosts_of=hosts_of)
+        layout = {"interleaved_hosts": 2} if name == "hier-interleaved" else (
+            {"hosts_of": 2} if name.startswith("hier") else {})
+        results = harness.launch("tests.conformance:run", world, env=env, backend=backend, timeout=600, **layout)
     return harness.values(results)
 
 

@@ -104,13 +104,18 @@ class HierarchicalTransport(Transport):
         """Sum ``shard`` across hosts with ``wire`` on the network and float32 arithmetic."""
         N, s = self.nodes, shard.numel()
         sub = math.ceil(s / N)
-        send = torch.zeros(N * sub, dtype=wire)
-        send[:s].copy_(shard)
+        if N * sub == s:
+            send = shard if shard.dtype == wire else shard.to(wire)
+        else:
+            send = torch.zeros(N * sub, dtype=wire)
+            send[:s].copy_(shard)
         slices = torch.empty(N * sub, dtype=wire)
         self.inter.all_to_all(slices, send)  # block q: host q's values of my slice
-        total = slices.view(N, sub).float().sum(0).to(wire)  # each slice summed by one host only
-        gathered = torch.empty(N * sub, dtype=wire)
-        self.inter.all_gather(gathered, total)
+        total = slices[:sub].float()  # each slice is summed by one host only, in host order
+        for q in range(1, N):
+            total.add_(slices[q * sub : (q + 1) * sub])  # float32 += wire dtype, per element
+        gathered = slices  # consumed above: reuse it for the sums
+        self.inter.all_gather(gathered, total.to(wire))
         shard.copy_(gathered[:s])
 
     def _flat_all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:

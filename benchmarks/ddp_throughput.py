@@ -1,0 +1,84 @@
+"""Data-parallel training throughput of one configuration (a worker for benchmarks/scaling.py).
+
+Trains an MLP whose gradients are large next to its compute (5.2M parameters, 21 MB of float32
+gradients per step at 16 samples per rank), so the network between hosts sets the pace, and
+prints one JSON line on rank 0: samples/s over the timed steps and the final parameters' digest.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/ddp_throughput.py --variant smddp
+Variants: gloo, gloo-fp16-hook (torch's fp16_compress_hook), smddp (set SMDDP_ALGORITHM /
+SMDDP_INTER_NODE_WIRE_DTYPE for flat, hierarchical, compressed), smddp-compiled (smddp_lite.compile;
+--wire-dtype for its gradient wire dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import smddp_lite
+
+
+def make_model(width: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                               torch.nn.ReLU(), torch.nn.Linear(width, 256))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", required=True, choices=["gloo", "gloo-fp16-hook", "smddp", "smddp-compiled"])
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--wire-dtype", default=None, help="smddp-compiled: gradient wire dtype")
+    parser.add_argument("--save-params", help="rank 0 writes the final parameters here (torch.save)")
+    args = parser.parse_args()
+
+    backend = "gloo" if args.variant.startswith("gloo") else "smddp"
+    smddp_lite.init(backend=backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = make_model(args.width)
+    if args.variant == "smddp-compiled":
+        model, optimizer = smddp_lite.compile(module, torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9),
+                                              wire_dtype=args.wire_dtype)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(module)
+        if args.variant == "gloo-fp16-hook":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
+
+    gen = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(args.batch, 256, generator=gen), torch.randn(args.batch, 256, generator=gen))
+               for _ in range(args.warmup + args.steps)]
+    start = None
+    for step, (x, y) in enumerate(batches):
+        if step == args.warmup:
+            dist.barrier()
+            start = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    if rank == 0:
+        params = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+        if args.save_params:
+            torch.save(params, args.save_params)
+        print(json.dumps({"variant": args.variant, "world": world, "samples_per_s": args.batch * world * args.steps / elapsed,
+                          "step_s": elapsed / args.steps, "loss": loss.item(), "env": {
+                              k: v for k, v in os.environ.items() if k.startswith("SMDDP_") and k != "SMDDP_HOSTNAME"}}),
+              flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Simulated hosts on one machine: Linux network namespaces joined by rate-limited veth links.
+
+Each simulated host is a host in every sense the library can see: its own network namespace
+(address 10.77.<cluster>.<host+1> on eth0, reachable only through the bridge, whose ports are
+rate-limited both ways with tc tbf), its own hostname (UTS namespace) resolvable through a
+hosts file bind-mounted over /etc/hosts, and its own /dev/shm (mount namespace with a fresh
+tmpfs), so no shared-memory shortcut crosses the simulated network. Needs root.
+
+    with SimCluster(hosts=2, rate="1gbit") as cluster:
+        procs = [cluster.spawn(i, ["python", "-c", "import socket; print(socket.gethostname())"])
+                 for i in range(2)]
+
+Everything created is removed on exit, on an exception, and on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+
+_SETUP_IN_HOST = (
+    'hostname "$SIM_HOSTNAME" && mount -t tmpfs -o size=2g tmpfs /dev/shm && '
+    'mount --bind "$SIM_HOSTS_FILE" /etc/hosts && exec "$@"'
+)
+
+
+_clusters_made = 0
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class SimCluster:
+    def __init__(self, hosts: int, rate: str = "1gbit", burst: str = "256kb") -> None:
+        if os.geteuid() != 0:
+            raise PermissionError(
+                "SimCluster needs root: it creates network namespaces, veth links and tc qdiscs. "
+                "Run the benchmark as root (sudo), or skip the multi-node simulation."
+            )
+        self.hosts, self.rate, self.burst = hosts, rate, burst
+        global _clusters_made
+        _clusters_made += 1  # names unique per cluster: deleting the last one's links is asynchronous
+        tag = (os.getpid() * 10 + _clusters_made) % 100000
+        self.subnet = tag % 250 + 1  # 10.77.<subnet>.0/24, private to this cluster's namespaces
+        self.bridge = f"smb{tag}"
+        self.ns = [f"smddp{tag}h{i}" for i in range(hosts)]
+        self.names = [f"sim-host-{i}" for i in range(hosts)]
+        self.addresses = [f"10.77.{self.subnet}.{i + 1}" for i in range(hosts)]
+        self.procs: list[subprocess.Popen] = []
+        self._created: list[tuple[str, ...]] = []
+        self._hosts_file = None
+
+    # lifetime -----------------------------------------------------------------------------------
+    def __enter__(self) -> "SimCluster":
+        self._old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.close()
+        raise SystemExit(128 + signum)
+
+    def _create(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self._created.append(("link", "del", self.bridge))
+        _ip("link", "set", self.bridge, "up")
+        for i, ns in enumerate(self.ns):
+            _ip("netns", "add", ns)
+            self._created.append(("netns", "del", ns))
+            port = f"{self.bridge}p{i}"
+            _ip("link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self._created.append(("link", "del", port))
+            _ip("link", "set", port, "master", self.bridge, "up")
+            _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            if self.rate:  # each direction of each host's link: host egress and bridge-port egress
+                tbf = ["root", "tbf", "rate", self.rate, "burst", self.burst, "latency", "50ms"]
+                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *tbf], check=True)
+                subprocess.run(["tc", "qdisc", "add", "dev", port, *tbf], check=True)
+        fd, self._hosts_file = tempfile.mkstemp(prefix="smddp-hosts-")
+        with os.fdopen(fd, "w") as f:
+            f.write("127.0.0.1 localhost\n")
+            f.writelines(f"{addr} {name}\n" for addr, name in zip(self.addresses, self.names))
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.procs.clear()
+        for cmd in reversed(self._created):
+            subprocess.run(["ip", *cmd], capture_output=True)
+        self._created.clear()
+        if self._hosts_file and os.path.exists(self._hosts_file):
+            os.unlink(self._hosts_file)
+        for s, h in getattr(self, "_old_handlers", {}).items():
+            signal.signal(s, h)
+        self._old_handlers = {}
+
+    # running things on a host --------------------------------------------------------------------
+    def spawn(self, host: int, argv: list[str], env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+        """Start ``argv`` on simulated host ``host`` (its network, hostname and /dev/shm)."""
+        full_env = {**os.environ, **(env or {}), "SIM_HOSTNAME": self.names[host], "SIM_HOSTS_FILE": self._hosts_file}
+        cmd = ["ip", "netns", "exec", self.ns[host], "unshare", "--uts", "--mount", "--propagation", "private",
+               "sh", "-c", _SETUP_IN_HOST, "sh", *argv]
+        proc = subprocess.Popen(cmd, env=full_env, **popen)
+        self.procs.append(proc)
+        return proc

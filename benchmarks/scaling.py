@@ -1,0 +1,178 @@
+"""Multi-node scaling of data-parallel training, on simulated hosts with rate-limited links.
+
+Runs benchmarks/ddp_throughput.py under torchrun's multi-node rendezvous on 1, 2 and 4
+simulated hosts (network namespaces, see benchmarks/multinode/cluster.py) x 1-2 ranks, for
+each variant, and writes a table (markdown), the raw JSON and a plot of scaling efficiency,
+throughput(N hosts) / (N x throughput(1 host)). Needs root.
+
+    python -m benchmarks.scaling --rate 1gbit --out benchmarks/results/scaling
+    python -m benchmarks.scaling --quick        # one small run: does the harness work here?
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from benchmarks.multinode.cluster import SimCluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {  # name: (ddp_throughput --variant, extra arguments, environment)
+    "gloo": ("gloo", [], {}),
+    "gloo-fp16-hook": ("gloo-fp16-hook", [], {}),
+    "smddp-flat": ("smddp", [], {"SMDDP_ALGORITHM": "flat"}),
+    "smddp-hier": ("smddp", [], {"SMDDP_ALGORITHM": "auto"}),
+    "smddp-hier-bf16": ("smddp", [], {"SMDDP_ALGORITHM": "auto", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}),
+    "smddp-compiled-bf16": ("smddp-compiled", ["--wire-dtype", "bfloat16"], {"SMDDP_ALGORITHM": "auto"}),
+}
+
+
+def run_one(hosts: int, per_host: int, variant: str, rate: str, steps: int, save: str | None) -> dict:
+    """One training job on ``hosts`` fresh simulated hosts; returns rank 0's JSON report."""
+    kind, extra, env = VARIANTS[variant]
+    with SimCluster(hosts, rate=rate) as cluster:
+        procs = []
+        for i in range(hosts):
+            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}",
+                    f"--nproc-per-node={per_host}", f"--node-rank={i}", f"--master-addr={cluster.names[0]}",
+                    # the port is inside this job's own network namespaces, where nothing else listens
+                    "--master-port=29500", os.path.join(ROOT, "benchmarks", "ddp_throughput.py"),
+                    f"--variant={kind}", f"--steps={steps}", *extra] + (["--save-params", save] if save and i == 0 else [])
+            procs.append(cluster.spawn(i, argv, env={**env, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
+                                                     "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=900)[0] for p in procs]
+    report = next((json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")), None)
+    if report is None or any(p.returncode for p in procs):
+        raise RuntimeError(f"{variant} on {hosts}x{per_host} failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    return {"hosts": hosts, "per_host": per_host, "name": variant, **report}
+
+
+COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment): what the cost model is fitted and tested on
+    (1, 2, {"SMDDP_ALGORITHM": "flat"}),
+    (2, 1, {"SMDDP_ALGORITHM": "flat"}),
+    (4, 1, {"SMDDP_ALGORITHM": "flat"}),
+    (2, 2, {"SMDDP_ALGORITHM": "flat"}),
+    (2, 2, {"SMDDP_ALGORITHM": "hierarchical"}),
+    (2, 2, {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}),
+]
+
+
+def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str) -> list[dict]:
+    """all_reduce timings (benchmarks/collectives.py, smddp only) on a fresh simulated cluster."""
+    out = os.path.join(tmp, f"coll-{hosts}x{per_host}-{len(os.listdir(tmp))}.json")
+    with SimCluster(hosts, rate=rate) as cluster:
+        procs = []
+        for i in range(hosts):
+            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}", f"--nproc-per-node={per_host}",
+                    f"--node-rank={i}", f"--master-addr={cluster.names[0]}", "--master-port=29500",
+                    os.path.join(ROOT, "benchmarks", "collectives.py"), "--backends=smddp", "--ops=all_reduce",
+                    "-b", "64K", "-e", "16M", "-f", "4", "-n", "5", "-w", "2"] + (["--json", out] if i == 0 else [])
+            procs.append(cluster.spawn(i, argv, env={**env, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
+                                                     "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=1200)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"collectives on {hosts}x{per_host} {env} failed:\n" + outputs[0][-3000:])
+    rows = json.load(open(out))["rows"]
+    return [{"hosts": hosts, "per_host": per_host, "algorithm": env["SMDDP_ALGORITHM"],
+             "wire": env.get("SMDDP_INTER_NODE_WIRE_DTYPE", "float32"), "bytes": r["size"],
+             "time_s": r["out_of_place"]["time_us"] * 1e-6} for r in rows]
+
+
+def efficiency(rows: list[dict]) -> None:
+    base = {(r["name"], r["per_host"]): r["samples_per_s"] for r in rows if r["hosts"] == 1}
+    for r in rows:
+        one = base.get((r["name"], r["per_host"]))
+        r["efficiency"] = r["samples_per_s"] / (r["hosts"] * one) if one else None
+
+
+def write_outputs(rows: list[dict], out: str, rate: str) -> None:
+    with open(out + ".json", "w") as f:
+        json.dump({"rate": rate, "rows": rows, "torch": torch.__version__}, f, indent=1)
+    lines = ["| hosts x ranks | variant | samples/s | step (ms) | vs gloo | scaling efficiency |", "|---|---|---:|---:|---:|---:|"]
+    gloo = {(r["hosts"], r["per_host"]): r["samples_per_s"] for r in rows if r["name"] == "gloo"}
+    for r in rows:
+        g = gloo.get((r["hosts"], r["per_host"]))
+        eff = f"{100 * r['efficiency']:.0f}%" if r.get("efficiency") is not None else "-"
+        lines.append(f"| {r['hosts']} x {r['per_host']} | {r['name']} | {r['samples_per_s']:.0f} | "
+                     f"{1000 * r['step_s']:.0f} | {r['samples_per_s'] / g:.2f}x | {eff} |" if g else "")
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(line for line in lines if line) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot (pip install -e '.[bench]')")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for per_host, ax in zip((1, 2), axes):
+        for name in VARIANTS:
+            pts = sorted((r["hosts"], r["samples_per_s"]) for r in rows if r["name"] == name and r["per_host"] == per_host)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_title(f"{per_host} rank(s) per host, {rate} links")
+        ax.set_xlabel("simulated hosts")
+        ax.set_ylabel("samples/s")
+        ax.set_xticks([1, 2, 4])
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", default="1gbit", help="tc tbf rate of every host link")
+    parser.add_argument("--hosts", default="1,2,4")
+    parser.add_argument("--per-host", default="1,2")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", time.strftime("%Y-%m-%d") + "-scaling"))
+    parser.add_argument("--quick", action="store_true", help="2 hosts x 1 rank, smddp only, 2 steps; no files")
+    parser.add_argument("--collectives", action="store_true",
+                        help="instead: time all_reduce on the cost model's configurations, write OUT.json")
+    args = parser.parse_args()
+    if args.collectives:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = [r for h, p, env in COLLECTIVE_RUNS for r in run_collectives(h, p, env, args.rate, tmp)]
+        with open(args.out + ".json", "w") as f:
+            json.dump({"rate": args.rate, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}.json ({len(rows)} measurements)")
+        return
+    if args.quick:
+        report = run_one(2, 1, "smddp-hier", args.rate, 2, None)
+        print(json.dumps(report))
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for hosts in map(int, args.hosts.split(",")):
+            for per_host in map(int, args.per_host.split(",")):
+                for name in args.variants.split(","):
+                    save = os.path.join(tmp, f"{name}-{hosts}x{per_host}.pt")
+                    row = run_one(hosts, per_host, name, args.rate, args.steps, save)
+                    rows.append(row)
+                    print(f"{hosts} x {per_host} {name:<20} {row['samples_per_s']:8.0f} samples/s", flush=True)
+                ref = os.path.join(tmp, f"gloo-{hosts}x{per_host}.pt")
+                if os.path.exists(ref):  # final parameters of each variant against float32 gloo
+                    want = torch.load(ref)
+                    for r in rows[-len(args.variants.split(",")):]:
+                        got = torch.load(os.path.join(tmp, f"{r['name']}-{hosts}x{per_host}.pt"))
+                        r["max_param_diff_vs_gloo"] = float((got - want).abs().max())
+                        r["max_param_abs"] = float(want.abs().max())
+    efficiency(rows)
+    write_outputs(rows, args.out, args.rate)
+    print(f"wrote {args.out}.md, .json and .png")
+
+
+if __name__ == "__main__":
+    main()

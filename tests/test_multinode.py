@@ -1,0 +1,41 @@
+"""The multi-node simulation harness and the topology logic behind hierarchical collectives."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from smddp_lite.backend.transports.hierarchical import Topology
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_topology_groups_ranks_by_host_in_rank_order():
+    topo = Topology(["b", "a", "b", "a"])
+    assert topo.local == [[0, 2], [1, 3]] and topo.uniform
+    assert topo.node_of == {0: 0, 2: 0, 1: 1, 3: 1}
+    assert not Topology(["a", "a", "b"]).uniform
+    assert "2 hosts x 2 ranks" in topo.describe()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
+def test_quick_scaling_run_on_two_simulated_hosts():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--quick"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["world"] == 2 and report["samples_per_s"] > 0
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "smddp" not in listed, f"namespaces left behind: {listed}"
+
+
+def test_cluster_refuses_without_root(monkeypatch):
+    from benchmarks.multinode.cluster import SimCluster
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(PermissionError, match="needs root"):
+        SimCluster(2)
