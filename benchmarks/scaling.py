@@ -125,7 +125,9 @@ def write_outputs(rows: list[dict], out: str, rate: str) -> None:
         ax.set_ylabel("samples/s")
         ax.set_xticks([1, 2, 4])
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    for ax in axes:
+        if ax.lines:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out + ".png", dpi=110)
 

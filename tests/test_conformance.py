@@ -20,6 +20,7 @@ TRANSPORTS = [
     ("hier", (4,), "smddp", HIER, "env"),
     ("hier-bf16-wire", (4,), "smddp", {**HIER, "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}, "env"),
     ("hier-interleaved", (4,), "smddp", HIER, "env"),  # ranks 0, 2 on one host: reordering paths
+    ("hier-one-per-host", (2,), "smddp", {**HIER, "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}, "env"),
     ("local", (1,), "smddp", {}, "env"),
     ("shm", (2, 3), "smddp", {"SMDDP_TRANSPORT": "shm"}, "env"),
     ("gloo", (2, 3), "smddp", {"SMDDP_TRANSPORT": "gloo"}, "env"),
@@ -41,8 +42,8 @@ def _job(name: str, world: int, backend: str, env_items: tuple, launcher: str):
     if launcher == "mpi":
         results = harness.launch_mpi("tests.conformance:run", world, env=env, backend=backend, timeout=600)
     else:  # hierarchical runs see hosts of 2 ranks, all on this machine
-        layout = {"interleaved_hosts": 2} if name == "hier-interleaved" else (
-            {"hosts_of": 2} if name.startswith("hier") else {})
+        layouts = {"hier-interleaved": {"interleaved_hosts": 2}, "hier-one-per-host": {"hosts_of": 1}}
+        layout = layouts.get(name, {"hosts_of": 2} if name.startswith("hier") else {})
         results = harness.launch("tests.conformance:run", world, env=env, backend=backend, timeout=600, **layout)
     return harness.values(results)
 

@@ -40,7 +40,10 @@ def _choose(store, rank: int, world_size: int, config) -> tuple[str, str, list[s
     forced = config.transport
     same_host = len(set(hosts)) == 1
     topo = Topology(hosts)
-    layered = len(topo.local) > 1 and topo.uniform and len(topo.local[0]) > 1
+    # one rank per host still goes through the hierarchical transport: its inter-host step keeps
+    # 16-bit inputs (and SMDDP_INTER_NODE_WIRE_DTYPE sums) 16-bit on the wire, where the flat gloo
+    # path would widen them to float32
+    layered = len(topo.local) > 1 and topo.uniform
     if config.algorithm == "hierarchical" or (config.algorithm == "auto" and forced == "auto"):
         if layered:
             name, reason = "hierarchical", f"{topo.describe()}: shared memory inside hosts, gloo between"
