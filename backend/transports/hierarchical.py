@@ -27,6 +27,17 @@ from .gloo import GlooTransport
 log = logging.getLogger("smddp_lite")
 
 
+def _all_reduce_widened(transport: Transport, tensor: torch.Tensor, op: RedOp) -> None:
+    """all_reduce on a gloo transport, 16-bit floats widened to float32 (gloo alone would sum
+    them in 16 bits, rounding at every hop)."""
+    if tensor.dtype in LOW_PRECISION:
+        wide = tensor.float()
+        transport.all_reduce(wide, op)
+        tensor.copy_(wide)
+    else:
+        transport.all_reduce(tensor, op)
+
+
 class Topology:
     """Which global ranks share a host: ``local[k]`` lists host k's ranks, lowest first."""
 
@@ -93,12 +104,7 @@ class HierarchicalTransport(Transport):
         wire = self.wire if shard.dtype not in LOW_PRECISION else shard.dtype
         if op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
             return self._compressed_sum(shard, wire)
-        if shard.dtype in LOW_PRECISION:  # gloo on its own would not accumulate in float32
-            wide = shard.float()
-            self.inter.all_reduce(wide, op)
-            shard.copy_(wide)
-        else:
-            self.inter.all_reduce(shard, op)
+        _all_reduce_widened(self.inter, shard, op)
 
     def _compressed_sum(self, shard: torch.Tensor, wire: torch.dtype) -> None:
         """Sum ``shard`` across hosts with ``wire`` on the network and float32 arithmetic."""
@@ -129,12 +135,7 @@ class HierarchicalTransport(Transport):
         shard.copy_(gathered[:s])
 
     def _flat_all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
-        if tensor.dtype in LOW_PRECISION:
-            wide = tensor.float()
-            self.flat.all_reduce(wide, op)
-            tensor.copy_(wide)
-        else:
-            self.flat.all_reduce(tensor, op)
+        _all_reduce_widened(self.flat, tensor, op)
 
     # all_gather / reduce_scatter -----------------------------------------------------------------
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
