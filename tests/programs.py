@@ -108,7 +108,7 @@ def ddp_parity(steps: int = 12) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     smddp_lite.init()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     gloo = dist.new_group(backend="gloo")
 
     def model() -> torch.nn.Module:

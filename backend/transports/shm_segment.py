@@ -15,6 +15,7 @@ the non-temporal stores large copies may use. ``select`` only offers this transp
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
@@ -161,10 +162,9 @@ class ShmSegment:
         if self._mm is not None:
             self.control = None
             self._bytes = None
-            try:
+            # a caller may still hold a view (BufferError): the mapping then goes with the process
+            with contextlib.suppress(BufferError):
                 self._mm.close()
-            except BufferError:  # a caller still holds a view; the mapping goes with the process
-                pass
             self._mm = None
 
 

@@ -100,8 +100,8 @@ class SimCluster:
         for p in self.procs:
             try:
                 p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+            except subprocess.TimeoutExpired:  # unkillable (D state): the namespaces go anyway
+                continue
         self.procs.clear()
         for cmd in reversed(self._created):
             subprocess.run(["ip", *cmd], capture_output=True)

@@ -9,11 +9,8 @@ first is small so that the first collective starts early in backward.
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
-
-log = logging.getLogger("smddp_lite")
 
 
 @dataclasses.dataclass

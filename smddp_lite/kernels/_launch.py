@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 BLOCK = 2048  # elements per program: 8 KiB of each fp32 stream, enough to hide load latency
@@ -24,10 +22,6 @@ def torch_fused_cpu(device: torch.device, op: str) -> bool:
     AdamW (benchmarks/optimizer_step.py), so the reference stays the oracle and the fallback.
     """
     return device.type == "cpu" and hasattr(torch, op)
-
-
-def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_buffers(name: str, flat: dict[str, torch.Tensor], scalars: dict[str, torch.Tensor]) -> int:
