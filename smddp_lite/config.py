@@ -53,6 +53,13 @@ class BackendConfig:
     """Smaller messages take the flat path under "auto": three phases cost more latency than they
     save bandwidth. Env: ``SMDDP_HIERARCHICAL_MIN_BYTES``."""
 
+    hierarchical_chunk_bytes: int = 4 << 20
+    """A hierarchical all_reduce larger than this runs as a pipeline of pieces of this size:
+    while one piece crosses the network, the next is reduced inside the host and the previous
+    one gathered, so the host-local phases hide behind the network instead of adding to it.
+    4 MiB measured best on 2 simulated hosts x 2 ranks (1, 2, 4, 8 MiB: 1 and 2 MiB pay more in
+    per-piece overhead than they hide). Env: ``SMDDP_HIERARCHICAL_CHUNK_BYTES``."""
+
     inter_node_wire_dtype: str | None = None
     """Send float32 sums between hosts as "bfloat16" or "float16" (accumulated in float32 at
     each end); None sends them as they are. Env: ``SMDDP_INTER_NODE_WIRE_DTYPE``."""
@@ -71,6 +78,11 @@ class BackendConfig:
             raise ValueError(
                 f"smddp-lite: SMDDP_INTER_NODE_WIRE_DTYPE={self.inter_node_wire_dtype!r}; expected bfloat16 "
                 "or float16, or unset for no compression."
+            )
+        if self.hierarchical_chunk_bytes < 4096:
+            raise ValueError(
+                f"smddp-lite: SMDDP_HIERARCHICAL_CHUNK_BYTES={self.hierarchical_chunk_bytes} is too small; "
+                "expected at least 4096 (bytes); the default is 4194304."
             )
         if self.transport not in TRANSPORTS:
             raise ValueError(
@@ -138,6 +150,7 @@ ENV_VARS: dict[str, tuple[tuple[str, str], ...]] = {
     "SMDDP_SHM_CHUNK_BYTES": (("backend", "shm_chunk_bytes"),),
     "SMDDP_ALGORITHM": (("backend", "algorithm"),),
     "SMDDP_HIERARCHICAL_MIN_BYTES": (("backend", "hierarchical_min_bytes"),),
+    "SMDDP_HIERARCHICAL_CHUNK_BYTES": (("backend", "hierarchical_chunk_bytes"),),
     "SMDDP_INTER_NODE_WIRE_DTYPE": (("backend", "inter_node_wire_dtype"),),
     "SMDDP_HOSTNAME": (("backend", "hostname"),),
     "SMDDP_BUCKET_CAP_MB": (("compile", "bucket_cap_mb"),),

@@ -18,9 +18,12 @@ HIER = {"SMDDP_ALGORITHM": "hierarchical"}
 # (name, world sizes, backend, environment, launcher); "hier*" run 2 simulated hosts x 2 ranks
 TRANSPORTS = [
     ("hier", (4,), "smddp", HIER, "env"),
-    ("hier-bf16-wire", (4,), "smddp", {**HIER, "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}, "env"),
+    # small pieces: many pipelined inter-host steps in flight, and an odd-sized last piece
+    ("hier-bf16-wire", (4,), "smddp", {**HIER, "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16",
+                                       "SMDDP_HIERARCHICAL_CHUNK_BYTES": "1048576"}, "env"),
     ("hier-interleaved", (4,), "smddp", HIER, "env"),  # ranks 0, 2 on one host: reordering paths
-    ("hier-one-per-host", (2,), "smddp", {**HIER, "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}, "env"),
+    ("hier-one-per-host", (2, 3), "smddp", {**HIER, "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16",
+                                            "SMDDP_HIERARCHICAL_CHUNK_BYTES": "1048576"}, "env"),
     ("local", (1,), "smddp", {}, "env"),
     ("shm", (2, 3), "smddp", {"SMDDP_TRANSPORT": "shm"}, "env"),
     ("gloo", (2, 3), "smddp", {"SMDDP_TRANSPORT": "gloo"}, "env"),

@@ -38,9 +38,16 @@ class GlooTransport(Transport):
             raise PeerFailureError(f"{where(self.rank, self.world_size, op)} gloo failed: {exc}") from exc
 
     def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
+        self.all_reduce_async(tensor, op)()
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: RedOp):
+        """Start an all_reduce; returns a function that waits for it (and raises as all_reduce
+        would). Gloo runs started collectives on its own threads, matched across ranks by the
+        order in which they were started."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TORCH_OP[op]
-        self._run("all_reduce", self._pg.allreduce([tensor], opts))
+        work = self._pg.allreduce([tensor], opts)
+        return lambda: self._run("all_reduce", work)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         opts = dist.BroadcastOptions()
@@ -62,7 +69,11 @@ class GlooTransport(Transport):
         self._run("reduce_scatter", self._pg._reduce_scatter_base(output, input, opts))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self._run("all_to_all", self._pg.alltoall_base(output, input, [], [], dist.AllToAllOptions()))
+        self.all_to_all_async(output, input)()
+
+    def all_to_all_async(self, output: torch.Tensor, input: torch.Tensor):
+        work = self._pg.alltoall_base(output, input, [], [], dist.AllToAllOptions())
+        return lambda: self._run("all_to_all", work)
 
     def barrier(self) -> None:
         self._run("barrier", self._pg.barrier(dist.BarrierOptions()))
