@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import time
 
 import torch
@@ -43,6 +44,8 @@ def main() -> None:
     backend = "gloo" if args.variant.startswith("gloo") else "smddp"
     smddp_lite.init(backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())  # where the launcher put each rank
     module = make_model(args.width)
     if args.variant == "smddp-compiled":
         model, optimizer = smddp_lite.compile(module, torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9),
@@ -74,7 +77,7 @@ def main() -> None:
         if args.save_params:
             torch.save(params, args.save_params)
         print(json.dumps({"variant": args.variant, "world": world, "samples_per_s": args.batch * world * args.steps / elapsed,
-                          "step_s": elapsed / args.steps, "loss": loss.item(), "env": {
+                          "step_s": elapsed / args.steps, "loss": loss.item(), "hosts": hosts, "env": {
                               k: v for k, v in os.environ.items() if k.startswith("SMDDP_") and k != "SMDDP_HOSTNAME"}}),
               flush=True)
     dist.destroy_process_group()

@@ -7,6 +7,7 @@ throughput(N hosts) / (N x throughput(1 host)). Needs root.
 
     python -m benchmarks.scaling --rate 1gbit --out benchmarks/results/scaling
     python -m benchmarks.scaling --quick        # one small run: does the harness work here?
+    python -m benchmarks.scaling --launcher mpiexec   # the same runs started by mpiexec with a host list
 """
 
 from __future__ import annotations
@@ -34,25 +35,37 @@ VARIANTS = {  # name: (ddp_throughput --variant, extra arguments, environment)
 }
 
 
-def run_one(hosts: int, per_host: int, variant: str, rate: str, steps: int, save: str | None) -> dict:
+def start_job(cluster: SimCluster, per_host: int, script: list[str], env: dict, launcher: str) -> list:
+    """Start ``script`` (a benchmarks/ file and its arguments) on every host of ``cluster``:
+    one torchrun per host joined by its multi-node rendezvous, or one mpiexec with the host
+    list. Returns the processes to wait for; the first one's output has rank 0's."""
+    env = {**env, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONPATH": ROOT}
+    out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    path = os.path.join(ROOT, "benchmarks", script[0])
+    if launcher == "mpiexec":
+        return [cluster.mpiexec(per_host, [sys.executable, path, *script[1:]], env=env, **out)]
+    procs = []
+    for i in range(cluster.hosts):
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cluster.hosts}",
+                f"--nproc-per-node={per_host}", f"--node-rank={i}", f"--master-addr={cluster.names[0]}",
+                # the port is inside this job's own network namespaces, where nothing else listens
+                "--master-port=29500", path, *script[1:]]
+        procs.append(cluster.spawn(i, argv, env=env, **out))
+    return procs
+
+
+def run_one(hosts: int, per_host: int, variant: str, rate: str, steps: int, save: str | None,
+            launcher: str = "torchrun") -> dict:
     """One training job on ``hosts`` fresh simulated hosts; returns rank 0's JSON report."""
     kind, extra, env = VARIANTS[variant]
+    script = ["ddp_throughput.py", f"--variant={kind}", f"--steps={steps}", *extra] + (["--save-params", save] if save else [])
     with SimCluster(hosts, rate=rate) as cluster:
-        procs = []
-        for i in range(hosts):
-            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}",
-                    f"--nproc-per-node={per_host}", f"--node-rank={i}", f"--master-addr={cluster.names[0]}",
-                    # the port is inside this job's own network namespaces, where nothing else listens
-                    "--master-port=29500", os.path.join(ROOT, "benchmarks", "ddp_throughput.py"),
-                    f"--variant={kind}", f"--steps={steps}", *extra] + (["--save-params", save] if save and i == 0 else [])
-            procs.append(cluster.spawn(i, argv, env={**env, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
-                                                     "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True))
+        procs = start_job(cluster, per_host, script, env, launcher)
         outputs = [p.communicate(timeout=900)[0] for p in procs]
     report = next((json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")), None)
     if report is None or any(p.returncode for p in procs):
         raise RuntimeError(f"{variant} on {hosts}x{per_host} failed:\n" + "\n".join(o[-3000:] for o in outputs))
-    return {"hosts": hosts, "per_host": per_host, "name": variant, **report}
+    return {"hosts": hosts, "per_host": per_host, "name": variant, "launcher": launcher, **report}
 
 
 COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment): what the cost model is fitted and tested on
@@ -65,19 +78,12 @@ COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment): what the co
 ]
 
 
-def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str) -> list[dict]:
+def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str, launcher: str = "torchrun") -> list[dict]:
     """all_reduce timings (benchmarks/collectives.py, smddp only) on a fresh simulated cluster."""
     out = os.path.join(tmp, f"coll-{hosts}x{per_host}-{len(os.listdir(tmp))}.json")
+    script = ["collectives.py", "--backends=smddp", "--ops=all_reduce", "-b", "64K", "-e", "16M", "-f", "4", "-n", "5", "-w", "2", "--json", out]
     with SimCluster(hosts, rate=rate) as cluster:
-        procs = []
-        for i in range(hosts):
-            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}", f"--nproc-per-node={per_host}",
-                    f"--node-rank={i}", f"--master-addr={cluster.names[0]}", "--master-port=29500",
-                    os.path.join(ROOT, "benchmarks", "collectives.py"), "--backends=smddp", "--ops=all_reduce",
-                    "-b", "64K", "-e", "16M", "-f", "4", "-n", "5", "-w", "2"] + (["--json", out] if i == 0 else [])
-            procs.append(cluster.spawn(i, argv, env={**env, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
-                                                     "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True))
+        procs = start_job(cluster, per_host, script, env, launcher)
         outputs = [p.communicate(timeout=1200)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"collectives on {hosts}x{per_host} {env} failed:\n" + outputs[0][-3000:])
@@ -140,19 +146,21 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", time.strftime("%Y-%m-%d") + "-scaling"))
+    parser.add_argument("--launcher", choices=["torchrun", "mpiexec"], default="torchrun",
+                        help="one torchrun per host (multi-node rendezvous), or mpiexec with a host list")
     parser.add_argument("--quick", action="store_true", help="2 hosts x 1 rank, smddp only, 2 steps; no files")
     parser.add_argument("--collectives", action="store_true",
                         help="instead: time all_reduce on the cost model's configurations, write OUT.json")
     args = parser.parse_args()
     if args.collectives:
         with tempfile.TemporaryDirectory() as tmp:
-            rows = [r for h, p, env in COLLECTIVE_RUNS for r in run_collectives(h, p, env, args.rate, tmp)]
+            rows = [r for h, p, env in COLLECTIVE_RUNS for r in run_collectives(h, p, env, args.rate, tmp, args.launcher)]
         with open(args.out + ".json", "w") as f:
             json.dump({"rate": args.rate, "rows": rows}, f, indent=1)
         print(f"wrote {args.out}.json ({len(rows)} measurements)")
         return
     if args.quick:
-        report = run_one(2, 1, "smddp-hier", args.rate, 2, None)
+        report = run_one(2, 1, "smddp-hier", args.rate, 2, None, args.launcher)
         print(json.dumps(report))
         return
     rows = []
@@ -161,7 +169,7 @@ def main() -> None:
             for per_host in map(int, args.per_host.split(",")):
                 for name in args.variants.split(","):
                     save = os.path.join(tmp, f"{name}-{hosts}x{per_host}.pt")
-                    row = run_one(hosts, per_host, name, args.rate, args.steps, save)
+                    row = run_one(hosts, per_host, name, args.rate, args.steps, save, args.launcher)
                     rows.append(row)
                     print(f"{hosts} x {per_host} {name:<20} {row['samples_per_s']:8.0f} samples/s", flush=True)
                 ref = os.path.join(tmp, f"gloo-{hosts}x{per_host}.pt")

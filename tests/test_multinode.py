@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -23,12 +24,16 @@ def test_topology_groups_ranks_by_host_in_rank_order():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
-def test_quick_scaling_run_on_two_simulated_hosts():
-    out = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--quick"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_quick_scaling_run_on_two_simulated_hosts(launcher):
+    if launcher == "mpiexec" and shutil.which("mpiexec") is None:
+        pytest.skip("mpiexec not installed (pip install 'smddp-lite[mpi]')")
+    out = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--quick", "--launcher", launcher], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["world"] == 2 and report["samples_per_s"] > 0
+    assert report["hosts"] == ["sim-host-0", "sim-host-1"], "each rank should run on its own simulated host"
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "smddp" not in listed, f"namespaces left behind: {listed}"
 
