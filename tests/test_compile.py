@@ -113,6 +113,29 @@ def test_grad_scaler_skips_inf_steps_like_torch(clip):
     assert opt_c.state_dict()["state"][0]["step"].item() == STEPS - 3  # skipped steps do not count
 
 
+def test_user_unscale_before_step_with_max_grad_norm_clips_the_unscaled_norm():
+    """A script that calls scaler.unscale_(optimizer) itself (to log or clip) divides the buckets
+    after backward took their norms; the step must clip by the norm of the unscaled gradients."""
+    eager = _model()
+    model = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=3e-3)
+    compiled, opt_c = smddp_lite.compile(model, torch.optim.AdamW(model.parameters(), lr=3e-3), max_grad_norm=0.3)
+    scaler_e = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler_c = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    batches = _batches(10)
+    losses_e = _train(eager, opt_e, batches, clip=0.3, scaler=scaler_e)
+    losses_c = []
+    for x, y in batches:
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        losses_c.append(loss.item())
+        scaler_c.scale(loss).backward()
+        scaler_c.unscale_(opt_c)
+        scaler_c.step(opt_c)
+        scaler_c.update()
+        opt_c.zero_grad()
+    _compare(compiled, eager, losses_c, losses_e)
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
 def test_checkpoints_move_both_ways_between_compiled_and_torch(name):
     make = OPTIMIZERS[name]

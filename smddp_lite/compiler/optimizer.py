@@ -84,12 +84,19 @@ class CompiledOptimizer(torch.optim.Optimizer):
         """(1 / loss scale x clipping coefficient, found_inf) as float32 device tensors."""
         device = self.buckets[0].device if self.buckets else torch.device("cpu")
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        user_unscaled = grad_scale is None and found_inf is not None
         inv_scale = (torch.ones(1, device=device) if grad_scale is None
                      else grad_scale.to(device, torch.float32).reciprocal().reshape(1))
         found_inf = (torch.zeros(1, device=device) if found_inf is None
                      else found_inf.to(device, torch.float32).reshape(1))
         if self.max_grad_norm is None:
             return inv_scale, found_inf
+        if user_unscaled:
+            # GradScaler passes found_inf without grad_scale after the user's own
+            # scaler.unscale_(optimizer), which divided the buckets in place after backward took
+            # their norms: take the norms again from the unscaled buckets (one more read).
+            for bucket in self.buckets:
+                self.reducer.bucket_norm(bucket)
         self.last_grad_norm = self.reducer.grad_norm().to(device) * inv_scale
         # torch.nn.utils.clip_grad_norm_'s coefficient, kept on the device
         coef = (self.max_grad_norm / (self.last_grad_norm + 1e-6)).clamp(max=1.0)
