@@ -1,28 +1,35 @@
 """An alpha-beta cost model of flat and hierarchical all_reduce, fitted to simulated-cluster runs.
 
-Each link class (inside a host, between hosts) has a latency alpha (s) and an inverse bandwidth
-beta (s/byte). For N hosts of L ranks and a message of S bytes:
+Each link class has a latency alpha (s) and an inverse bandwidth beta (s/byte): inside a host,
+between hosts, and between hosts with a 16-bit wire (which also carries the CPU cost of casting
+to and from it, a large term on the simulated cluster's 2 cores). For N hosts of L ranks and a
+message of S bytes:
 
     flat ring over p = N*L ranks    2(p-1) * (alpha + S/p * beta)      one ring edge leaves each
                                                                        host, so the host link is
                                                                        the slowest hop when N > 1
-    hierarchical                    2(L-1) * (alpha_in + S/L * beta_in)          inside, twice
-                                  + 2(N-1) * (alpha_x + w*S/N * beta_x)          between hosts: L
-                                                                                 flows of S/L share
-                                                                                 one host link
-with w = 0.5 for a 16-bit wire. alpha/beta of each class are fitted by least squares on the
-1 host x 2 ranks and 2 hosts x 1 rank runs; every other measured configuration is predicted and
-its error reported. The fitted model is then evaluated with NVLink- and EFA-class constants for
-8 to 512 GPUs (8 per host).
+    hierarchical, one piece         in(S) + x(S) + in(S)
+        in(B) = (L-1) * (alpha_in + B/L * beta_in)                     reduce-scatter or all-gather
+        x(B)  = 2(N-1) * (alpha_x + B/N * beta_x)                      L flows of B/L share one
+                                                                       host link
+    hierarchical, k pieces of P     in(P) + (k-1) * max(x(P), 2 in(P)) + x(last) + in(last)
+                                    (backend/transports/hierarchical.py: the network works on one
+                                    piece while the host reduces and gathers the others)
 
-    python -m benchmarks.scaling --collectives --out benchmarks/results/2026-11-22-collectives-1gbit
-    python benchmarks/cost_model.py benchmarks/results/2026-11-22-collectives-1gbit.json
+alpha/beta of each class are fitted by least squares on the 1 host x 2 ranks flat, 2 hosts x 1
+rank flat and 2 hosts x 1 rank bfloat16 runs; every other measured configuration is predicted and
+its error reported. The fitted model is then evaluated with NVLink- and EFA-class constants for
+8 to 512 GPUs (8 per host), where a 16-bit wire halves the bytes and costs no extra time.
+
+    python -m benchmarks.scaling --collectives --out benchmarks/results/DATE-collectives-1gbit
+    python benchmarks/cost_model.py benchmarks/results/DATE-collectives-1gbit.json --piece-bytes 4194304
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import defaultdict
 
 import torch
@@ -32,15 +39,28 @@ def ring(p: int, nbytes: float, alpha: float, beta: float) -> float:
     return 2 * (p - 1) * (alpha + nbytes / p * beta) if p > 1 else 0.0
 
 
-def predict(hosts: int, per_host: int, algorithm: str, nbytes: float, links: dict, wire: float = 1.0) -> float:
+def predict(hosts: int, per_host: int, algorithm: str, nbytes: float, links: dict, wire: float = 1.0,
+            inter: str = "inter", piece: float | None = None) -> float:
+    """Modelled time of one all_reduce; ``inter`` names the link class between hosts, ``wire``
+    scales its bytes, ``piece`` is the pipelining size (None: one piece)."""
     a_in, b_in = links["intra"]
-    a_x, b_x = links["inter"]
+    a_x, b_x = links[inter]
     if hosts == 1:
         return ring(per_host, nbytes, a_in, b_in)
     if algorithm == "flat":
         return ring(hosts * per_host, nbytes, a_x, b_x)
-    inside = ring(per_host, nbytes, a_in, b_in)  # reduce-scatter + all-gather: 2(L-1) steps of S/L
-    return inside + 2 * (hosts - 1) * (a_x + wire * nbytes / hosts * b_x)
+
+    def inside(b: float) -> float:  # one reduce-scatter or all-gather inside the host
+        return (per_host - 1) * (a_in + b / per_host * b_in)
+
+    def across(b: float) -> float:
+        return 2 * (hosts - 1) * (a_x + wire * b / hosts * b_x)
+
+    k = 1 if piece is None else max(1, math.ceil(nbytes / piece))
+    if k == 1:
+        return inside(nbytes) + across(nbytes) + inside(nbytes)
+    last = nbytes - (k - 1) * piece
+    return inside(piece) + (k - 1) * max(across(piece), 2 * inside(piece)) + across(last) + inside(last)
 
 
 def fit_link(rows: list[dict]) -> tuple[float, float]:
@@ -55,6 +75,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("measurements", help="JSON from python -m benchmarks.scaling --collectives")
     parser.add_argument("--out", help="write the report (markdown) here as well")
+    parser.add_argument("--piece-bytes", type=float, default=4 << 20,
+                        help="SMDDP_HIERARCHICAL_CHUNK_BYTES of the measured runs")
     parser.add_argument("--compute-s", type=float, default=0.40, help="compute time per step per GPU (assumed)")
     parser.add_argument("--grad-bytes", type=float, default=340e6 * 2, help="gradient bytes per step (BERT-large, fp16)")
     args = parser.parse_args()
@@ -63,7 +85,10 @@ def main() -> None:
     by = defaultdict(list)
     for r in rows:
         by[(r["hosts"], r["per_host"], r["algorithm"], r["wire"])].append(r)
-    links = {"intra": fit_link(by[(1, 2, "flat", "float32")]), "inter": fit_link(by[(2, 1, "flat", "float32")])}
+    fitted_on = [(1, 2, "flat", "float32"), (2, 1, "flat", "float32"), (2, 1, "hierarchical", "bfloat16")]
+    # the 16-bit class is fitted as one piece at a time: with one rank per host nothing overlaps
+    links = {"intra": fit_link(by[fitted_on[0]]), "inter": fit_link(by[fitted_on[1]]),
+             "inter, 16-bit wire": fit_link(by[fitted_on[2]])}
     out = [f"# all_reduce cost model, fitted on {data['rate']} simulated links", "",
            "| link class | alpha (us) | bandwidth (GB/s) |", "|---|---:|---:|"]
     for name, (a, b) in links.items():
@@ -73,12 +98,13 @@ def main() -> None:
             "|---|---|---|---:|---:|---:|---:|"]
     errors = []
     for (h, p, alg, wire), rs in sorted(by.items()):
-        if (h, p) in ((1, 2), (2, 1)):
+        if (h, p, alg, wire) in fitted_on:
             continue
         for r in rs:
             if r["bytes"] < 1 << 20:  # latency-bound sizes are dominated by Python overheads
                 continue
-            pred = predict(h, p, alg, r["bytes"], links, 0.5 if wire != "float32" else 1.0)
+            inter = "inter" if wire == "float32" else "inter, 16-bit wire"
+            pred = predict(h, p, alg, r["bytes"], links, inter=inter, piece=args.piece_bytes)
             err = (pred - r["time_s"]) / r["time_s"]
             errors.append(abs(err))
             out.append(f"| {h} x {p} | {alg} | {wire} | {r['bytes'] >> 20} MiB | {r['time_s'] * 1e3:.1f} | "

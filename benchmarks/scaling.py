@@ -68,13 +68,18 @@ def run_one(hosts: int, per_host: int, variant: str, rate: str, steps: int, save
     return {"hosts": hosts, "per_host": per_host, "name": variant, "launcher": launcher, **report}
 
 
-COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment): what the cost model is fitted and tested on
+BF16 = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}
+COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment); the cost model fits the first three
     (1, 2, {"SMDDP_ALGORITHM": "flat"}),
     (2, 1, {"SMDDP_ALGORITHM": "flat"}),
+    (2, 1, BF16),
     (4, 1, {"SMDDP_ALGORITHM": "flat"}),
+    (4, 1, BF16),
     (2, 2, {"SMDDP_ALGORITHM": "flat"}),
     (2, 2, {"SMDDP_ALGORITHM": "hierarchical"}),
-    (2, 2, {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}),
+    (2, 2, BF16),
+    (4, 2, {"SMDDP_ALGORITHM": "flat"}),
+    (4, 2, BF16),
 ]
 
 
