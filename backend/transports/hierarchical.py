@@ -15,16 +15,13 @@ happens while it works. Measured on 2 simulated hosts x 2 ranks at 1 Gbit/s (bfl
 DDP on a 21 MB model): 172 ms per step with one inter-host step at a time, 156 ms with several in flight,
 182 ms without pieces.
 
-An all_reduce larger than ``hierarchical_chunk_bytes`` is pipelined over pieces: every piece is
-reduced inside the host and handed to one inter-host thread (so pieces cross the network in the
-same order on every rank), and each piece is gathered inside the host as soon as its inter-host
-step is done. The network then runs without a gap from the first piece's reduce-scatter to the
-last piece's all-gather, and the host-local copying of the other pieces happens while it waits.
-
 Between hosts, a floating-point SUM can travel as bfloat16/float16: the shard is exchanged in
 the wire dtype with an all-to-all, each rank sums its slice in float32, and the sums travel
 back in the wire dtype. A 16-bit input (the compiled step's wire dtype) takes that path in its
-own dtype, so gradients stay 16-bit on the network and are still accumulated in float32.
+own dtype, so gradients stay 16-bit on the network and are still accumulated in float32. The
+sums come back from the network already rounded to the wire dtype, so the all-gather inside the
+host moves them in that dtype too (half the bytes through shared memory, the same bits) and
+widens them once, into the caller's tensor.
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ from __future__ import annotations
 import logging
 import math
 from typing import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -74,7 +70,6 @@ class HierarchicalTransport(Transport):
         self.nodes, self.per_node = len(topology.local), len(topology.local[0])
         self.min_bytes = config.hierarchical_min_bytes
         self.chunk_bytes = config.hierarchical_chunk_bytes
-        self.chunk_bytes = config.hierarchical_chunk_bytes
         self.always = config.algorithm == "hierarchical"
         self.wire = getattr(torch, config.inter_node_wire_dtype) if config.inter_node_wire_dtype else None
         self.debug = config.debug
@@ -84,9 +79,6 @@ class HierarchicalTransport(Transport):
         # node-major rank order; identity for the usual launch (ranks numbered host by host)
         self.order = [r for ranks in topology.local for r in ranks]
         self._logged: set[tuple[str, bool]] = set()
-        # One thread, so inter-host steps run one at a time in submission order: the same order
-        # on every rank, which the gloo group needs.
-        self._inter_thread = ThreadPoolExecutor(1, thread_name_prefix="smddp-inter")
 
     def _hierarchical(self, op: str, nbytes: int) -> bool:
         use = self.always or nbytes >= self.min_bytes
@@ -102,19 +94,19 @@ class HierarchicalTransport(Transport):
             return self._flat_all_reduce(tensor, op)
         n, L = tensor.numel(), self.per_node
         piece = max(L, self.chunk_bytes // tensor.element_size() // L * L)  # whole shards per piece
-        in_flight: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[], None]]] = []
+        in_flight: list[tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]]] = []
         for start in range(0, n, piece):
             part = tensor[start : start + piece]
             padded, shard = self._reduce_in_host(part, op)
-            in_flight.append((part, padded, shard, self._start_inter_all_reduce(shard, op)))
+            in_flight.append((part, padded, self._start_inter_all_reduce(shard, op)))
         failure = None
-        for part, padded, shard, finish_inter in in_flight:  # in start order, as gloo matches them
+        for part, padded, finish_inter in in_flight:  # in start order, as gloo matches them
             try:
-                finish_inter()
+                total = finish_inter()
             except Exception as exc:  # let the steps already started end before raising
                 failure = failure or exc
             if failure is None:
-                self._gather_in_host(part, padded, shard)
+                self._gather_in_host(part, padded, total)
         if failure is not None:
             raise failure
 
@@ -127,14 +119,19 @@ class HierarchicalTransport(Transport):
         self.intra.reduce_scatter(shard, padded, op)
         return padded, shard
 
-    def _gather_in_host(self, tensor: torch.Tensor, padded: torch.Tensor, shard: torch.Tensor) -> None:
-        self.intra.all_gather(padded, shard)
+    def _gather_in_host(self, tensor: torch.Tensor, padded: torch.Tensor, total: torch.Tensor) -> None:
+        """All-gather each local rank's ``total`` (its shard's sum over all hosts) into ``tensor``;
+        a ``total`` in a 16-bit wire dtype is gathered as it is and widened once at the end."""
+        if total.dtype != padded.dtype:
+            padded = torch.empty(padded.numel(), dtype=total.dtype)
+        self.intra.all_gather(padded, total)
         if padded is not tensor:
             tensor.copy_(padded[: tensor.numel()])
 
-    def _start_inter_all_reduce(self, shard: torch.Tensor, op: RedOp) -> Callable[[], None]:
+    def _start_inter_all_reduce(self, shard: torch.Tensor, op: RedOp) -> Callable[[], torch.Tensor]:
         """Start reducing ``shard`` with the same-index ranks of the other hosts; returns the
-        function that waits for the result and leaves it in ``shard``."""
+        function that waits and returns the result: ``shard`` itself, or the sums as they came
+        off a 16-bit wire (every local rank's in the same dtype, since all see the same config)."""
         floating = shard.dtype.is_floating_point
         wire = self.wire if shard.dtype not in LOW_PRECISION else shard.dtype
         if op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
@@ -151,14 +148,17 @@ class HierarchicalTransport(Transport):
             on_wire = shard
         wait = self.inter.all_reduce_async(on_wire, op)
 
-        def finish() -> None:
+        def finish() -> torch.Tensor:
             wait()
-            if on_wire is not shard:
+            if on_wire.dtype == wire:  # rounded to the wire dtype: gather it as it is
+                return on_wire
+            if on_wire is not shard:  # widened for gloo: back to the caller's dtype
                 shard.copy_(on_wire)
+            return shard
 
         return finish
 
-    def _start_compressed_sum(self, shard: torch.Tensor, wire: torch.dtype) -> Callable[[], None]:
+    def _start_compressed_sum(self, shard: torch.Tensor, wire: torch.dtype) -> Callable[[], torch.Tensor]:
         """Sum ``shard`` across more than two hosts with ``wire`` on the network and float32
         arithmetic: an all-to-all of wire-dtype slices (started now), then each host sums one
         slice and the sums are all-gathered (when finished)."""
@@ -172,14 +172,14 @@ class HierarchicalTransport(Transport):
         slices = torch.empty(N * sub, dtype=wire)
         exchanged = self.inter.all_to_all_async(slices, send)  # block q: host q's values of my slice
 
-        def finish() -> None:
+        def finish() -> torch.Tensor:
             exchanged()
             total = slices[:sub].float()  # each slice is summed by one host only, in host order
             for q in range(1, N):
                 total.add_(slices[q * sub : (q + 1) * sub])  # float32 += wire dtype, per element
             gathered = slices  # consumed above: reuse it for the sums
             self.inter.all_gather(gathered, total.to(wire))
-            shard.copy_(gathered[:s])
+            return gathered[:s]
 
         return finish
 
@@ -249,6 +249,5 @@ class HierarchicalTransport(Transport):
         self.flat.barrier()
 
     def close(self) -> None:
-        self._inter_thread.shutdown(wait=False, cancel_futures=True)
         for t in (self.intra, self.inter, self.flat):
             t.close()
