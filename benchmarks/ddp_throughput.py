@@ -62,6 +62,7 @@ def main() -> None:
     batches = [(torch.randn(args.batch, 256, generator=gen), torch.randn(args.batch, 256, generator=gen))
                for _ in range(args.warmup + args.steps)]
     start = None
+    step_ends = []  # rank 0's clock at the end of each timed step: shows stalls a mean would hide
     for step, (x, y) in enumerate(batches):
         if step == args.warmup:
             dist.barrier()
@@ -70,14 +71,18 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if start is not None:
+            step_ends.append(time.perf_counter())
     dist.barrier()
     elapsed = time.perf_counter() - start
+    step_times = [b - a for a, b in zip([start] + step_ends, step_ends)]
     if rank == 0:
         params = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
         if args.save_params:
             torch.save(params, args.save_params)
         print(json.dumps({"variant": args.variant, "world": world, "samples_per_s": args.batch * world * args.steps / elapsed,
-                          "step_s": elapsed / args.steps, "loss": loss.item(), "hosts": hosts, "env": {
+                          "step_s": elapsed / args.steps,
+                          "step_times_s": [round(t, 5) for t in step_times], "loss": loss.item(), "hosts": hosts, "env": {
                               k: v for k, v in os.environ.items() if k.startswith("SMDDP_") and k != "SMDDP_HOSTNAME"}}),
               flush=True)
     dist.destroy_process_group()

@@ -6,6 +6,7 @@ each variant, and writes a table (markdown), the raw JSON and a plot of scaling 
 throughput(N hosts) / (N x throughput(1 host)). Needs root.
 
     python -m benchmarks.scaling --rate 1gbit --out benchmarks/results/scaling
+    python -m benchmarks.scaling --hosts 2 --per-host 2 --variants gloo,smddp-hier-bf16 --repeat 5
     python -m benchmarks.scaling --quick        # one small run: does the harness work here?
     python -m benchmarks.scaling --launcher mpiexec   # the same runs started by mpiexec with a host list
 """
@@ -65,11 +66,13 @@ def run_one(hosts: int, per_host: int, variant: str, rate: str, steps: int, save
     report = next((json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")), None)
     if report is None or any(p.returncode for p in procs):
         raise RuntimeError(f"{variant} on {hosts}x{per_host} failed:\n" + "\n".join(o[-3000:] for o in outputs))
-    return {"hosts": hosts, "per_host": per_host, "name": variant, "launcher": launcher, **report}
+    # the worker's "hosts" lists each rank's hostname: keep it as rank_hosts beside the count
+    return {**report, "hosts": hosts, "per_host": per_host, "name": variant, "launcher": launcher,
+            "rank_hosts": report["hosts"]}
 
 
 BF16 = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}
-COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment); the cost model fits the first three
+COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment); the cost model fits the 1-rank-per-host and 1 x 2 runs
     (1, 2, {"SMDDP_ALGORITHM": "flat"}),
     (2, 1, {"SMDDP_ALGORITHM": "flat"}),
     (2, 1, BF16),
@@ -86,7 +89,7 @@ COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment); the cost mo
 def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str, launcher: str = "torchrun") -> list[dict]:
     """all_reduce timings (benchmarks/collectives.py, smddp only) on a fresh simulated cluster."""
     out = os.path.join(tmp, f"coll-{hosts}x{per_host}-{len(os.listdir(tmp))}.json")
-    script = ["collectives.py", "--backends=smddp", "--ops=all_reduce", "-b", "64K", "-e", "16M", "-f", "4", "-n", "5", "-w", "2", "--json", out]
+    script = ["collectives.py", "--backends=smddp", "--ops=all_reduce", "-b", "64K", "-e", "16M", "-f", "4", "-n", "10", "-w", "3", "--json", out]
     with SimCluster(hosts, rate=rate) as cluster:
         procs = start_job(cluster, per_host, script, env, launcher)
         outputs = [p.communicate(timeout=1200)[0] for p in procs]
@@ -98,6 +101,19 @@ def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str, l
              "time_s": r["out_of_place"]["time_us"] * 1e-6} for r in rows]
 
 
+def median_runs(runs: list[dict]) -> list[dict]:
+    """One row per (hosts, ranks per host, variant): the median of its repeated runs by
+    samples/s (the lower middle one for an even count), with every run's figure beside it."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["hosts"], r["per_host"], r["name"]), []).append(r)
+    rows = []
+    for group in groups.values():
+        ranked = sorted(group, key=lambda r: r["samples_per_s"])
+        rows.append({**ranked[(len(ranked) - 1) // 2], "runs_samples_per_s": [round(r["samples_per_s"], 1) for r in group]})
+    return rows
+
+
 def efficiency(rows: list[dict]) -> None:
     base = {(r["name"], r["per_host"]): r["samples_per_s"] for r in rows if r["hosts"] == 1}
     for r in rows:
@@ -105,16 +121,18 @@ def efficiency(rows: list[dict]) -> None:
         r["efficiency"] = r["samples_per_s"] / (r["hosts"] * one) if one else None
 
 
-def write_outputs(rows: list[dict], out: str, rate: str) -> None:
+def write_outputs(rows: list[dict], runs: list[dict], out: str, rate: str) -> None:
     with open(out + ".json", "w") as f:
-        json.dump({"rate": rate, "rows": rows, "torch": torch.__version__}, f, indent=1)
-    lines = ["| hosts x ranks | variant | samples/s | step (ms) | vs gloo | scaling efficiency |", "|---|---|---:|---:|---:|---:|"]
+        json.dump({"rate": rate, "rows": rows, "runs": runs, "torch": torch.__version__}, f, indent=1)
+    lines = ["| hosts x ranks | variant | samples/s | step (ms) | vs gloo | scaling efficiency | runs (samples/s) |",
+             "|---|---|---:|---:|---:|---:|---|"]
     gloo = {(r["hosts"], r["per_host"]): r["samples_per_s"] for r in rows if r["name"] == "gloo"}
     for r in rows:
         g = gloo.get((r["hosts"], r["per_host"]))
         eff = f"{100 * r['efficiency']:.0f}%" if r.get("efficiency") is not None else "-"
+        runs = ", ".join(f"{x:.0f}" for x in r["runs_samples_per_s"])
         lines.append(f"| {r['hosts']} x {r['per_host']} | {r['name']} | {r['samples_per_s']:.0f} | "
-                     f"{1000 * r['step_s']:.0f} | {r['samples_per_s'] / g:.2f}x | {eff} |" if g else "")
+                     f"{1000 * r['step_s']:.0f} | {r['samples_per_s'] / g:.2f}x | {eff} | {runs} |" if g else "")
     with open(out + ".md", "w") as f:
         f.write("\n".join(line for line in lines if line) + "\n")
     try:
@@ -149,7 +167,10 @@ def main() -> None:
     parser.add_argument("--hosts", default="1,2,4")
     parser.add_argument("--per-host", default="1,2")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds per configuration, the variants alternating within each; the table "
+                             "shows each variant's median run")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", time.strftime("%Y-%m-%d") + "-scaling"))
     parser.add_argument("--launcher", choices=["torchrun", "mpiexec"], default="torchrun",
                         help="one torchrun per host (multi-node rendezvous), or mpiexec with a host list")
@@ -161,31 +182,35 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             rows = [r for h, p, env in COLLECTIVE_RUNS for r in run_collectives(h, p, env, args.rate, tmp, args.launcher)]
         with open(args.out + ".json", "w") as f:
-            json.dump({"rate": args.rate, "rows": rows}, f, indent=1)
+            # every simulated host shares this machine's cores: the cost model's contention term
+            json.dump({"rate": args.rate, "cores": os.cpu_count(), "rows": rows}, f, indent=1)
         print(f"wrote {args.out}.json ({len(rows)} measurements)")
         return
     if args.quick:
         report = run_one(2, 1, "smddp-hier", args.rate, 2, None, args.launcher)
         print(json.dumps(report))
         return
-    rows = []
+    runs = []
+    variants = args.variants.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for hosts in map(int, args.hosts.split(",")):
             for per_host in map(int, args.per_host.split(",")):
-                for name in args.variants.split(","):
-                    save = os.path.join(tmp, f"{name}-{hosts}x{per_host}.pt")
-                    row = run_one(hosts, per_host, name, args.rate, args.steps, save, args.launcher)
-                    rows.append(row)
-                    print(f"{hosts} x {per_host} {name:<20} {row['samples_per_s']:8.0f} samples/s", flush=True)
-                ref = os.path.join(tmp, f"gloo-{hosts}x{per_host}.pt")
-                if os.path.exists(ref):  # final parameters of each variant against float32 gloo
-                    want = torch.load(ref)
-                    for r in rows[-len(args.variants.split(",")):]:
-                        got = torch.load(os.path.join(tmp, f"{r['name']}-{hosts}x{per_host}.pt"))
-                        r["max_param_diff_vs_gloo"] = float((got - want).abs().max())
-                        r["max_param_abs"] = float(want.abs().max())
+                for rep in range(args.repeat):  # alternate the variants, so drifts hit each alike
+                    for name in variants:
+                        save = os.path.join(tmp, f"{name}-{hosts}x{per_host}.pt")
+                        row = run_one(hosts, per_host, name, args.rate, args.steps, save, args.launcher)
+                        runs.append({**row, "round": rep})
+                        print(f"{hosts} x {per_host} {name:<20} {row['samples_per_s']:8.0f} samples/s", flush=True)
+                    ref = os.path.join(tmp, f"gloo-{hosts}x{per_host}.pt")
+                    if os.path.exists(ref):  # final parameters of each variant against float32 gloo
+                        want = torch.load(ref)
+                        for r in runs[-len(variants):]:
+                            got = torch.load(os.path.join(tmp, f"{r['name']}-{hosts}x{per_host}.pt"))
+                            r["max_param_diff_vs_gloo"] = float((got - want).abs().max())
+                            r["max_param_abs"] = float(want.abs().max())
+    rows = median_runs(runs)
     efficiency(rows)
-    write_outputs(rows, args.out, args.rate)
+    write_outputs(rows, runs, args.out, args.rate)
     print(f"wrote {args.out}.md, .json and .png")
 
 

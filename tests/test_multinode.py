@@ -33,7 +33,7 @@ def test_quick_scaling_run_on_two_simulated_hosts(launcher):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["world"] == 2 and report["samples_per_s"] > 0
-    assert report["hosts"] == ["sim-host-0", "sim-host-1"], "each rank should run on its own simulated host"
+    assert report["rank_hosts"] == ["sim-host-0", "sim-host-1"], "each rank should run on its own simulated host"
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "smddp" not in listed, f"namespaces left behind: {listed}"
 
