@@ -1,25 +1,35 @@
 """An alpha-beta cost model of flat and hierarchical all_reduce, fitted to simulated-cluster runs.
 
-Each link class has a latency alpha (s) and an inverse bandwidth beta (s/byte): inside a host,
-between hosts, and between hosts with a 16-bit wire (which also carries the CPU cost of casting
-to and from it, a large term on the simulated cluster's 2 cores). For N hosts of L ranks and a
-message of S bytes:
+Each link class has a latency alpha (s) and an inverse bandwidth beta (s/byte): inside a host
+(shared memory), between hosts (gloo over a rate-limited link), and between hosts with a 16-bit
+wire, which is two classes because the backend runs two algorithms there: gloo's own ring in the
+wire dtype between two hosts, and a wire-dtype all-to-all + float32 sum + all-gather between more
+(backend/transports/hierarchical.py). A 16-bit class's beta is per float32 byte of the message,
+so it holds both the halved network bytes and the CPU time of casting. For N hosts of L ranks and
+a message of S bytes:
 
     flat ring over p = N*L ranks    2(p-1) * (alpha + S/p * beta)      one ring edge leaves each
                                                                        host, so the host link is
                                                                        the slowest hop when N > 1
-    hierarchical, one piece         in(S) + x(S) + in(S)
+    hierarchical, one piece         in(S) + x(S) + in(w S)
         in(B) = (L-1) * (alpha_in + B/L * beta_in)                     reduce-scatter or all-gather
         x(B)  = 2(N-1) * (alpha_x + B/N * beta_x)                      L flows of B/L share one
                                                                        host link
-    hierarchical, k pieces of P     in(P) + (k-1) * max(x(P), 2 in(P)) + x(last) + in(last)
-                                    (backend/transports/hierarchical.py: the network works on one
-                                    piece while the host reduces and gathers the others)
+        w = 1/2 with a 16-bit wire: the sums come back in it and are gathered in it
+    hierarchical, k pieces of P     in(P) + (k-1) * max(x(P), 2 in(P)) + x(last) + in(w last)
+                                    (the network works on one piece while the host reduces and
+                                    gathers the others)
 
-alpha/beta of each class are fitted by least squares on the 1 host x 2 ranks flat, 2 hosts x 1
-rank flat and 2 hosts x 1 rank bfloat16 runs; every other measured configuration is predicted and
-its error reported. The fitted model is then evaluated with NVLink- and EFA-class constants for
-8 to 512 GPUs (8 per host), where a 16-bit wire halves the bytes and costs no extra time.
+The simulated cluster runs every rank of every host on one machine's C cores (C = 2 here), so
+CPU work slows down by p/C once p ranks exceed them: alpha of every class, beta inside hosts and
+the CPU share of a 16-bit class's beta (what exceeds half the float32 beta) are multiplied by
+max(1, p/C). Network time is not. The extrapolation below has a core per rank (factor 1).
+
+The classes are fitted by least squares on the runs that show one class alone: 1 host x 2 ranks
+(inside), 2 hosts x 1 rank flat (between), 2 and 4 hosts x 1 rank with a bfloat16 wire (the two
+16-bit algorithms). Every run with several ranks per host, or more hosts, is predicted and its
+error reported. The fitted form is then evaluated with NVLink- and EFA-class constants for 8 to
+512 GPUs (8 per host), where a 16-bit wire halves the bytes between hosts.
 
     python -m benchmarks.scaling --collectives --out benchmarks/results/DATE-collectives-1gbit
     python benchmarks/cost_model.py benchmarks/results/DATE-collectives-1gbit.json --piece-bytes 4194304
@@ -34,38 +44,69 @@ from collections import defaultdict
 
 import torch
 
+INTER_16 = {2: "inter, 16-bit ring (2 hosts)"}
+INTER_16_MANY = "inter, 16-bit exchange (>2 hosts)"
+
 
 def ring(p: int, nbytes: float, alpha: float, beta: float) -> float:
     return 2 * (p - 1) * (alpha + nbytes / p * beta) if p > 1 else 0.0
 
 
-def predict(hosts: int, per_host: int, algorithm: str, nbytes: float, links: dict, wire: float = 1.0,
-            inter: str = "inter", piece: float | None = None) -> float:
-    """Modelled time of one all_reduce; ``inter`` names the link class between hosts, ``wire``
-    scales its bytes, ``piece`` is the pipelining size (None: one piece)."""
+def inter_class(hosts: int, wire: str) -> str:
+    """The link class an all_reduce between ``hosts`` hosts uses with this wire dtype."""
+    if wire == "float32":
+        return "inter"
+    return INTER_16.get(hosts, INTER_16_MANY)
+
+
+def predict(hosts: int, per_host: int, algorithm: str, nbytes: float, links: dict, wire: str = "float32",
+            piece: float | None = None, cores: int | None = None) -> float:
+    """Modelled time of one all_reduce of ``nbytes`` (float32) bytes. ``links`` maps class names
+    to (alpha, beta); a 16-bit wire without its own class in ``links`` halves the bytes of the
+    "inter" class (the extrapolation). ``piece`` is the pipelining size (None: one piece);
+    ``cores`` the cores all ranks share (None: one core per rank, no contention)."""
+    f = max(1.0, hosts * per_host / cores) if cores else 1.0
     a_in, b_in = links["intra"]
-    a_x, b_x = links[inter]
+    a_in, b_in = a_in * f, b_in * f
+    name = inter_class(hosts, wire)
+    a_net, b_net = links["inter"]
+    if wire == "float32":
+        a_x, b_x = a_net, b_net
+    elif name in links:
+        a_x, b_x = links[name]
+        cpu = max(0.0, b_x - b_net / 2)  # what the 16-bit class costs beyond half the float32 bytes
+        b_x = b_net / 2 + cpu * f
+    else:
+        a_x, b_x = a_net, b_net / 2
+    a_x *= f
     if hosts == 1:
         return ring(per_host, nbytes, a_in, b_in)
     if algorithm == "flat":
         return ring(hosts * per_host, nbytes, a_x, b_x)
+    w = 1.0 if wire == "float32" else 0.5
 
     def inside(b: float) -> float:  # one reduce-scatter or all-gather inside the host
         return (per_host - 1) * (a_in + b / per_host * b_in)
 
     def across(b: float) -> float:
-        return 2 * (hosts - 1) * (a_x + wire * b / hosts * b_x)
+        return 2 * (hosts - 1) * (a_x + b / hosts * b_x)
 
     k = 1 if piece is None else max(1, math.ceil(nbytes / piece))
     if k == 1:
-        return inside(nbytes) + across(nbytes) + inside(nbytes)
+        return inside(nbytes) + across(nbytes) + inside(w * nbytes)
     last = nbytes - (k - 1) * piece
-    return inside(piece) + (k - 1) * max(across(piece), 2 * inside(piece)) + across(last) + inside(last)
+    return inside(piece) + (k - 1) * max(across(piece), inside(piece) + inside(w * piece)) + across(last) + \
+        inside(w * last)
 
 
-def fit_link(rows: list[dict]) -> tuple[float, float]:
-    """alpha, beta from p=2 runs, where T = 2*alpha + S*beta."""
-    x = torch.tensor([[2.0, r["bytes"]] for r in rows], dtype=torch.float64)
+def fit_link(rows: list[dict], parties: int, piece: float | None) -> tuple[float, float]:
+    """alpha, beta of one class from runs where it alone is at work: rings (or pipelined
+    pieces of them) over ``parties`` participants, T = 2(n-1) * (k alpha + S/n beta) for a
+    message of S bytes in k pieces."""
+    n = parties
+    k = [1 if piece is None else max(1, math.ceil(r["bytes"] / piece)) for r in rows]
+    x = torch.tensor([[2.0 * (n - 1) * ki, 2.0 * (n - 1) / n * r["bytes"]] for r, ki in zip(rows, k)],
+                     dtype=torch.float64)
     y = torch.tensor([r["time_s"] for r in rows], dtype=torch.float64)
     alpha, beta = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()
     return max(alpha, 0.0), beta
@@ -85,10 +126,17 @@ def main() -> None:
     by = defaultdict(list)
     for r in rows:
         by[(r["hosts"], r["per_host"], r["algorithm"], r["wire"])].append(r)
-    fitted_on = [(1, 2, "flat", "float32"), (2, 1, "flat", "float32"), (2, 1, "hierarchical", "bfloat16")]
-    # the 16-bit class is fitted as one piece at a time: with one rank per host nothing overlaps
-    links = {"intra": fit_link(by[fitted_on[0]]), "inter": fit_link(by[fitted_on[1]]),
-             "inter, 16-bit wire": fit_link(by[fitted_on[2]])}
+    cores = data.get("cores", 2)  # older files: measured on this project's 2-core machines
+    fitted_on = {"intra": (1, 2, "flat", "float32"), "inter": (2, 1, "flat", "float32"),
+                 INTER_16[2]: (2, 1, "hierarchical", "bfloat16"), INTER_16_MANY: (4, 1, "hierarchical", "bfloat16")}
+    links = {name: fit_link(by[key], max(key[0], key[1]), None if key[2] == "flat" else args.piece_bytes)
+             for name, key in fitted_on.items() if by[key]}
+    for name, (h, p, _, _) in fitted_on.items():  # a class fitted on more ranks than cores: undo that
+        factor = max(1.0, h * p / cores)
+        if name in links and factor > 1:
+            a, b = links[name]
+            b_net = links["inter"][1] / 2 if name.startswith("inter, 16-bit") else 0.0
+            links[name] = (a / factor, b_net + max(0.0, b - b_net) / factor)
     out = [f"# all_reduce cost model, fitted on {data['rate']} simulated links", "",
            "| link class | alpha (us) | bandwidth (GB/s) |", "|---|---:|---:|"]
     for name, (a, b) in links.items():
@@ -98,13 +146,12 @@ def main() -> None:
             "|---|---|---|---:|---:|---:|---:|"]
     errors = []
     for (h, p, alg, wire), rs in sorted(by.items()):
-        if (h, p, alg, wire) in fitted_on:
+        if (h, p, alg, wire) in fitted_on.values():
             continue
         for r in rs:
             if r["bytes"] < 1 << 20:  # latency-bound sizes are dominated by Python overheads
                 continue
-            inter = "inter" if wire == "float32" else "inter, 16-bit wire"
-            pred = predict(h, p, alg, r["bytes"], links, inter=inter, piece=args.piece_bytes)
+            pred = predict(h, p, alg, r["bytes"], links, wire, piece=args.piece_bytes, cores=cores)
             err = (pred - r["time_s"]) / r["time_s"]
             errors.append(abs(err))
             out.append(f"| {h} x {p} | {alg} | {wire} | {r['bytes'] >> 20} MiB | {r['time_s'] * 1e3:.1f} | "
@@ -124,7 +171,7 @@ def main() -> None:
         for gpus in (8, 16, 32, 64, 128, 256, 512):
             n = gpus // 8
             t = {"flat": predict(n, 8, "flat", grad, dc), "hierarchical": predict(n, 8, "hierarchical", grad, dc),
-                 "bf16": predict(n, 8, "hierarchical", grad, dc, wire=0.5)}
+                 "bf16": predict(n, 8, "hierarchical", grad, dc, wire="bfloat16")}
             eff = {k: base["flat" if k == "flat" else "hierarchical"] / (compute + v) for k, v in t.items()}
             out.append(f"| {gpus} | {gbit} Gbit/s | {t['flat'] * 1e3:.0f} | {t['hierarchical'] * 1e3:.0f} | "
                        f"{t['bf16'] * 1e3:.0f} | {100 * eff['flat']:.0f}% | {100 * eff['hierarchical']:.0f}% | "
