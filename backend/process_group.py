@@ -5,13 +5,16 @@ Method names and signatures are c10d's, so ``dist.all_reduce`` and friends, DDP'
 (``all_gather_single`` / ``_allgather_base``, ``reduce_scatter_single`` / ``_reduce_scatter_base``).
 Every call is checked on the calling thread (bad input raises at once, on every rank that passed
 it) and then runs, in call order, on the group's communication thread or inline (see work.py).
+Calls on CUDA tensors go to the group's CUDA side (backend/cuda/): NCCL where it can run them,
+else through host memory and the CPU path.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -23,6 +26,54 @@ from .transports import create_transport
 from .work import CommThread, SMDDPWork
 
 log = logging.getLogger("smddp_lite")
+
+
+def _device_aware(method):
+    """Route a collective on CUDA tensors: NCCL where the group has it and it can run the call,
+    else the CPU path on host copies (backend/cuda/staged.py). CPU calls pass straight through."""
+
+    @functools.wraps(method)
+    def route(self: ProcessGroupSMDDP, *args, **kwargs):
+        device = _cuda_device(self, method.__name__, args)
+        if device is None:
+            return method(self, *args, **kwargs)
+        paths = self._cuda_paths()
+        if paths.nccl is not None:
+            from .cuda.nccl_path import NeedsStaging
+
+            try:
+                return method(self, *args, **kwargs)
+            except NeedsStaging:
+                pass  # raised before anything was enqueued: the same call, staged
+        return paths.staged.run(method.__name__, functools.partial(method, self), args, kwargs, device)
+
+    return route
+
+
+def _cuda_device(pg: ProcessGroupSMDDP, op: str, args: tuple) -> torch.device | None:
+    """The CUDA device of the call's tensors; None for CPU calls. Tensors on several devices are
+    refused: a collective runs on one. (Plain loops: this runs on every call, CPU ones too.)"""
+    tensors = []
+    for a in args:  # c10d passes tensors, lists of them, or lists of lists (allgather's outputs)
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    tensors.append(b)
+                elif isinstance(b, (list, tuple)):
+                    tensors.extend(b)
+    for t in tensors:
+        if t.is_cuda:
+            break
+    else:
+        return None
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        found = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"{where(pg.rank(), pg.size(), op)} tensors are on several devices ({found}); a "
+                         "collective takes tensors on one device: move them with .to(device) first")
+    return devices.pop()
 
 
 class ProcessGroupSMDDP(dist.ProcessGroup):
@@ -42,6 +93,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._calls = 0
         self._failure: str | None = None
         self._closed = False
+        self._store = store
+        self._cuda = None  # CudaPaths, made on the first call with CUDA tensors
         if rank == 0:
             members = "all ranks" if global_ranks is None else f"global ranks {list(global_ranks)}"
             # the default group's choice always shows; subgroups' in debug mode
@@ -59,8 +112,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     # the one path every collective takes ---------------------------------------------------------
     def _run(self, op: str, tensors: list[torch.Tensor], outputs: list[torch.Tensor],
-             check: Callable[[], None], body: Callable[[], None]) -> SMDDPWork:
-        """Validate on this thread, then queue ``body`` on the communication thread."""
+             check: Callable[[], None], body: Callable[[], None], nccl: Callable[[Any], Any] | None = None):
+        """Validate on this thread, then queue ``body`` on the communication thread; for CUDA
+        tensors, enqueue ``nccl(nccl_path)`` on the device instead (NeedsStaging if it cannot)."""
         self._calls += 1
         call = self._calls
         try:
@@ -73,6 +127,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             if not self._closed:
                 self._comm.submit(lambda: self.transport.reject(call, message), self._work(op, []))
             raise ValueError(message) from None
+        if tensors and tensors[0].is_cuda:
+            if nccl is None or self._cuda.nccl is None:
+                from .cuda.nccl_path import NeedsStaging
+
+                raise NeedsStaging(op)
+            return nccl(self._cuda.nccl)
 
         def run() -> None:
             if self._failure is not None:
@@ -101,11 +161,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def _check_tensor(self, op: str, t: object) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, found {type(t).__name__}")
-        if t.device.type != "cpu":
+        if t.device.type not in ("cpu", "cuda"):
             raise ValueError(
-                f"tensor is on {t.device}; this version of the smddp backend moves CPU tensors only. "
-                "Move it with .cpu(), or run CUDA collectives on a group created with "
-                "dist.new_group(backend='nccl')"
+                f"tensor is on {t.device}; the smddp backend moves CPU and CUDA tensors. Move it with "
+                ".cpu() or .cuda()"
             )
         if t.layout != torch.strided:
             raise ValueError(f"expected a dense (strided) tensor, found layout {t.layout}; call .to_dense()")
@@ -120,21 +179,24 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return ops.from_torch(getattr(opts, "reduceOp", opts))
 
     # collectives -------------------------------------------------------------------------------
+    @_device_aware
     def allreduce(self, tensors, opts=None):
         tensors = _as_list(tensors)
         op = self._reduce_op(opts or dist.AllreduceOptions())
         return self._run("all_reduce", tensors, tensors, lambda: _same_ops(op, tensors),
-                         lambda: self.collectives.all_reduce(tensors, op))
+                         lambda: self.collectives.all_reduce(tensors, op), lambda n: n.all_reduce(tensors, op))
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
+    @_device_aware
     def broadcast(self, tensors, opts=None):
         tensors = _as_list(tensors)
         root = getattr(opts, "rootRank", 0) if opts is not None else 0
         return self._run("broadcast", tensors, tensors, lambda: self._root(root),
-                         lambda: self.collectives.broadcast(tensors, root))
+                         lambda: self.collectives.broadcast(tensors, root), lambda n: n.broadcast(tensors, root))
 
+    @_device_aware
     def reduce(self, tensors, opts=None):
         tensors = _as_list(tensors)
         opts = opts or dist.ReduceOptions()
@@ -145,8 +207,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             _one_tensor("reduce", tensors)
             _same_ops(op, tensors)
 
-        return self._run("reduce", tensors, tensors, check, lambda: self.collectives.reduce(tensors[0], root, op))
+        return self._run("reduce", tensors, tensors, check, lambda: self.collectives.reduce(tensors[0], root, op),
+                         lambda n: n.reduce(tensors[0], root, op))
 
+    @_device_aware
     def allgather(self, output_tensors, input_tensors, opts=None):
         inputs = _as_list(input_tensors)
         outputs = output_tensors[0] if output_tensors and isinstance(output_tensors[0], (list, tuple)) else output_tensors
@@ -162,16 +226,18 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             for out, block in zip(outputs, flat.chunk(self.size()) if flat.numel() else [flat] * self.size()):
                 out.copy_(block.view_as(out))
 
-        return self._run("all_gather", inputs + outputs, outputs, check, body)
+        return self._run("all_gather", inputs + outputs, outputs, check, body,
+                         lambda n: n.all_gather_list(outputs, inputs[0]))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         works = [self.allgather([outs], [inp], opts) for outs, inp in zip(output_lists, input_list)]
         return works[-1] if works else self.barrier()
 
+    @_device_aware
     def all_gather_single(self, output, input, opts=None):
         check = lambda: self._sized("all_gather_into_tensor", output, input, self.size())  # noqa: E731
         return self._run("all_gather_into_tensor", [output, input], [output], check,
-                         lambda: self.collectives.all_gather(output, input))
+                         lambda: self.collectives.all_gather(output, input), lambda n: n.all_gather(output, input))
 
     _allgather_base = all_gather_single
 
@@ -181,6 +247,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
+    @_device_aware
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         outputs = _as_list(output_tensors)
         inputs = input_tensors[0] if input_tensors and isinstance(input_tensors[0], (list, tuple)) else input_tensors
@@ -195,8 +262,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         def body() -> None:
             self.collectives.reduce_scatter(outputs[0], torch.cat([t.reshape(-1) for t in inputs]), op)
 
-        return self._run("reduce_scatter", outputs + inputs, outputs, check, body)
+        return self._run("reduce_scatter", outputs + inputs, outputs, check, body,
+                         lambda n: n.reduce_scatter_list(outputs[0], inputs, op))
 
+    @_device_aware
     def reduce_scatter_single(self, output, input, opts=None):
         op = self._reduce_op(opts or dist.ReduceScatterOptions())
 
@@ -205,7 +274,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             _same_ops(op, [output])
 
         return self._run("reduce_scatter_tensor", [output, input], [output], check,
-                         lambda: self.collectives.reduce_scatter(output, input, op))
+                         lambda: self.collectives.reduce_scatter(output, input, op),
+                         lambda n: n.reduce_scatter(output, input, op))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -215,6 +285,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
+    @_device_aware
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         def check() -> None:
             self._sized("all_to_all_single", output, input, 1)
@@ -226,11 +297,15 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 raise ValueError(f"the first dimension ({tuple(input.shape)}) must divide into {n} equal blocks")
 
         return self._run("all_to_all_single", [output, input], [output], check,
-                         lambda: self.collectives.all_to_all(output, input))
+                         lambda: self.collectives.all_to_all(output, input), lambda n: n.all_to_all(output, input))
 
     all_to_all_single = alltoall_base
 
     def barrier(self, opts=None):
+        nccl = self._cuda.nccl if self._cuda is not None else None
+        if nccl is not None and nccl.comms.by_device:  # ordered after this group's CUDA collectives
+            self._check_usable("barrier")
+            return nccl.barrier()
         return self._run("barrier", [], [], lambda: None, self.collectives.barrier)
 
     # not supported: each says so and lists what is --------------------------------------------
@@ -279,16 +354,37 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 f"elements (world size x the smaller one), found {big.numel()}"
             )
 
+    # CUDA tensors ------------------------------------------------------------------------------
+    def _cuda_paths(self):
+        if self._cuda is None:
+            from .cuda import CudaPaths
+
+            self._cuda = CudaPaths(self._store, self.rank(), self.size(), self.timeout, self.config,
+                                   self._cuda_failed)
+            if self.rank() == 0:
+                log.log(logging.INFO if self.config.debug else logging.DEBUG, "smddp: group %s moves CUDA tensors "
+                        "%s", self._group_name or "default",
+                        "through NCCL (cupy)" if self._cuda.nccl else f"through host memory: {self._cuda.reason}")
+        return self._cuda
+
+    def _cuda_failed(self, reason: str) -> None:
+        self._failure = self._failure or reason
+
     # lifetime ----------------------------------------------------------------------------------
     def shutdown(self, *args, **kwargs) -> None:
+        self._close(abort=False)
+
+    def abort(self, *args, **kwargs) -> None:
+        self._close(abort=True)
+
+    def _close(self, abort: bool) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._cuda is not None:
+            self._cuda.close(abort)
         self._comm.stop()
         self.transport.close()
-
-    def abort(self, *args, **kwargs) -> None:
-        self.shutdown()
 
 
 def _as_list(tensors) -> list[torch.Tensor]:

@@ -77,6 +77,10 @@ class SMDDPWork(dist._Work):
     def get_future(self) -> torch.futures.Future:
         return self._future
 
+    def result_tensors(self) -> list[torch.Tensor]:
+        """The tensors the collective writes (its future's value), without waiting."""
+        return self._outputs
+
 
 def _as_backend_error(error: BaseException) -> BaseException:
     if isinstance(error, dist.DistBackendError):

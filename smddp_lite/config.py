@@ -17,9 +17,10 @@ import warnings
 from typing import Any, Mapping
 
 TRANSPORTS = ("auto", "shm", "gloo", "mpi")
-ALGORITHMS = ("auto", "flat", "hierarchical")
 """Transports the CPU path can use. "auto" picks mpi when launched by mpiexec, else shm when
 every rank of a group shares one host, else gloo."""
+ALGORITHMS = ("auto", "flat", "hierarchical")
+CUDA_TRANSPORTS = ("auto", "nccl", "staged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,16 @@ class BackendConfig:
     """Host identity used to find ranks that share a machine; defaults to the hostname. Set it
     per rank to simulate several hosts on one machine (tests). Env: ``SMDDP_HOSTNAME``."""
 
+    cuda_transport: str = "auto"
+    """How CUDA tensors move: "nccl" (through cupy.cuda.nccl), "staged" (through host memory
+    and the CPU transport: no cupy needed, and several ranks may share one GPU), or "auto"
+    (NCCL when cupy and libnccl load, else staged with a warning). Env: ``SMDDP_CUDA_TRANSPORT``."""
+
+    blocking_wait: bool = False
+    """``Work.wait()`` on a CUDA collective also blocks the host until the collective has ended,
+    raising after the process group timeout (torch's ``TORCH_NCCL_BLOCKING_WAIT=1`` does the
+    same). Off: ``wait()`` only orders the caller's stream. Env: ``SMDDP_BLOCKING_WAIT``."""
+
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(
@@ -83,6 +94,11 @@ class BackendConfig:
             raise ValueError(
                 f"smddp-lite: SMDDP_HIERARCHICAL_CHUNK_BYTES={self.hierarchical_chunk_bytes} is too small; "
                 "expected at least 4096 (bytes); the default is 4194304."
+            )
+        if self.cuda_transport not in CUDA_TRANSPORTS:
+            raise ValueError(
+                f"smddp-lite: SMDDP_CUDA_TRANSPORT={self.cuda_transport!r} is not a CUDA transport; expected "
+                f"one of {', '.join(CUDA_TRANSPORTS)}. Unset it to let the backend choose."
             )
         if self.transport not in TRANSPORTS:
             raise ValueError(
@@ -153,6 +169,8 @@ ENV_VARS: dict[str, tuple[tuple[str, str], ...]] = {
     "SMDDP_HIERARCHICAL_CHUNK_BYTES": (("backend", "hierarchical_chunk_bytes"),),
     "SMDDP_INTER_NODE_WIRE_DTYPE": (("backend", "inter_node_wire_dtype"),),
     "SMDDP_HOSTNAME": (("backend", "hostname"),),
+    "SMDDP_CUDA_TRANSPORT": (("backend", "cuda_transport"),),
+    "SMDDP_BLOCKING_WAIT": (("backend", "blocking_wait"),),
     "SMDDP_BUCKET_CAP_MB": (("compile", "bucket_cap_mb"),),
     "SMDDP_FIRST_BUCKET_MB": (("compile", "first_bucket_mb"),),
     "SMDDP_WIRE_DTYPE": (("compile", "wire_dtype"),),

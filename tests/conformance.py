@@ -4,7 +4,8 @@ Inputs are rank-seeded small integers that every dtype holds exactly, so any red
 one right answer and results are compared for equality (no tolerances). ``run`` executes on each
 rank of a job and returns {case id: "ok" | "FAIL: why" | "unsupported: why"}; the pytest side
 (test_conformance.py) turns those into test results. Case order is deterministic, so every rank
-issues the same collectives in the same order.
+issues the same collectives in the same order. ``run(device="cuda")`` runs the same cases on CUDA
+tensors (expectations are still computed on the CPU).
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ REDOPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.Re
           "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
           "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+DEVICE = torch.device("cpu")  # where the cases put their tensors; run() sets it
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    return t.to(DEVICE)
+
+
+def empty(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=DEVICE)
 
 
 def seeded(shape, rank: int, dtype: torch.dtype, redop: str = "sum") -> torch.Tensor:
@@ -63,6 +73,7 @@ def applicable(redop: str, dtype: torch.dtype) -> bool:
 
 
 def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    got, want = got.cpu(), want.cpu()
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"shape/dtype {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} {want.dtype}"
     bad = (got != want).reshape(-1).nonzero()
@@ -76,7 +87,7 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
 # Each case function runs the collective on this rank and returns None or what went wrong.
 
 def case_all_reduce(shape, dtype, redop, rank, world, async_op=False, non_contiguous=False):
-    t = seeded(shape, rank, dtype, redop)
+    t = on_device(seeded(shape, rank, dtype, redop))
     if non_contiguous and len(shape) == 2:
         t = t.t().contiguous().t()  # same values, column-major strides
         assert not t.is_contiguous()
@@ -90,13 +101,13 @@ def case_all_reduce(shape, dtype, redop, rank, world, async_op=False, non_contig
 
 
 def case_broadcast(shape, dtype, rank, world, root):
-    t = seeded(shape, rank, dtype)
+    t = on_device(seeded(shape, rank, dtype))
     dist.broadcast(t, src=root)
     return _mismatch(t, seeded(shape, root, dtype))
 
 
 def case_reduce(shape, dtype, redop, rank, world, root):
-    t = seeded(shape, rank, dtype, redop)
+    t = on_device(seeded(shape, rank, dtype, redop))
     dist.reduce(t, dst=root, op=REDOPS[redop])
     if rank == root:
         return _mismatch(t, expected_reduction(shape, dtype, redop, range(world)))
@@ -106,13 +117,13 @@ def case_reduce(shape, dtype, redop, rank, world, root):
 
 
 def case_all_gather(shape, dtype, rank, world, form):
-    mine = seeded(shape, rank, dtype)
+    mine = on_device(seeded(shape, rank, dtype))
     want = torch.cat([seeded(shape, r, dtype) for r in range(world)])
     if form == "list":
-        outs = [torch.empty(shape, dtype=dtype) for _ in range(world)]
+        outs = [empty(shape, dtype) for _ in range(world)]
         dist.all_gather(outs, mine)
         return _mismatch(torch.cat(outs), want)
-    out = torch.empty((world * shape[0],) + tuple(shape[1:]), dtype=dtype)
+    out = empty((world * shape[0],) + tuple(shape[1:]), dtype)
     if form == "in_place":
         out.chunk(world)[rank].copy_(mine)
         mine = out.chunk(world)[rank]
@@ -121,24 +132,24 @@ def case_all_gather(shape, dtype, rank, world, form):
 
 
 def case_reduce_scatter(shape, dtype, redop, rank, world, form):
-    blocks = [seeded(shape, rank * world + q, dtype, redop) if redop != "avg" else seeded(shape, rank, dtype, redop)
-              for q in range(world)]
+    blocks = [on_device(seeded(shape, rank * world + q, dtype, redop) if redop != "avg"
+                        else seeded(shape, rank, dtype, redop)) for q in range(world)]
     if redop == "avg":
         want = expected_reduction(shape, dtype, redop, range(world))
     else:
         want = expected_reduction(shape, dtype, redop, [r * world + rank for r in range(world)])
     if form == "list":
-        out = torch.empty(shape, dtype=dtype)
+        out = empty(shape, dtype)
         dist.reduce_scatter(out, blocks, op=REDOPS[redop])
         return _mismatch(out, want)
     inp = torch.cat(blocks)
-    out = inp.chunk(world)[rank] if form == "in_place" else torch.empty(shape, dtype=dtype)
+    out = inp.chunk(world)[rank] if form == "in_place" else empty(shape, dtype)
     dist.reduce_scatter_tensor(out, inp, op=REDOPS[redop])
     return _mismatch(out, want)
 
 
 def case_all_to_all(shape, dtype, rank, world):
-    inp = torch.cat([seeded(shape, rank * world + q, dtype) for q in range(world)])
+    inp = on_device(torch.cat([seeded(shape, rank * world + q, dtype) for q in range(world)]))
     out = torch.empty_like(inp)
     dist.all_to_all_single(out, inp)
     return _mismatch(out, torch.cat([seeded(shape, q * world + rank, dtype) for q in range(world)]))
@@ -146,7 +157,7 @@ def case_all_to_all(shape, dtype, rank, world):
 
 def case_async_pipeline(rank, world):
     """Several async ops in flight at once complete in order with the right values."""
-    tensors = [seeded((257,), rank, torch.float32) + k for k in range(8)]
+    tensors = [on_device(seeded((257,), rank, torch.float32) + k) for k in range(8)]
     works = [dist.all_reduce(t, async_op=True) for t in tensors]
     chained = works[-1].get_future().then(lambda fut: fut.value()[0] * 2)
     for w in works:
@@ -169,7 +180,7 @@ def case_subgroup(rank, world):
     groups = [dist.new_group([r for r in range(world) if r % 2 == parity]) for parity in (0, 1) if parity < world]
     mine = groups[rank % 2]
     members = [r for r in range(world) if r % 2 == rank % 2]
-    t = seeded((17,), rank, torch.float32)
+    t = on_device(seeded((17,), rank, torch.float32))
     dist.all_reduce(t, group=mine)
     return _mismatch(t, expected_reduction((17,), torch.float32, "sum", members))
 
@@ -201,10 +212,15 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
     yield "subgroup", "odd_even", case_subgroup, {}
 
 
-def run(backend: str = "smddp") -> dict[str, str]:
-    """Worker entry: initialise, run every case, report per case id."""
+def run(backend: str = "smddp", device: str = "cpu") -> dict[str, str]:
+    """Worker entry: initialise, run every case on ``device`` tensors, report per case id."""
     import smddp_lite
 
+    global DEVICE
+    DEVICE = torch.device(device)
+    if DEVICE.type == "cuda":  # every rank on the first GPU: the staged path lets them share it
+        torch.cuda.set_device(0)
+        DEVICE = torch.device("cuda", 0)
     smddp_lite.init(backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {}

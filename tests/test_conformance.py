@@ -2,14 +2,18 @@
 
 One job per (transport, world size) runs every case; each test below checks one op group of it
 on every rank. torch's own gloo backend runs the same suite as the reference: there, an op it
-does not implement is reported as unsupported rather than failed.
+does not implement is reported as unsupported rather than failed. On a machine with a GPU the
+suite also runs on CUDA tensors: over NCCL at world size 1 (NCCL refuses two ranks on one GPU)
+and staged through host memory at world sizes 1 to 3, all ranks sharing the one GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import pytest
+import torch
 
 from . import conformance, harness
 
@@ -29,10 +33,26 @@ TRANSPORTS = [
     ("gloo", (2, 3), "smddp", {"SMDDP_TRANSPORT": "gloo"}, "env"),
     ("mpi", (2, 3), "smddp", {"SMDDP_TRANSPORT": "mpi"}, "mpi"),
     ("torch-gloo-reference", (2, 3), "gloo", {}, "env"),
+    ("nccl", (1,), "smddp", {"SMDDP_CUDA_TRANSPORT": "nccl"}, "env"),
+    ("staged-cuda", (1, 2, 3), "smddp", {"SMDDP_CUDA_TRANSPORT": "staged"}, "env"),
 ]
+ON_CUDA = {"nccl", "staged-cuda"}
+NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)")
+NO_CUPY = pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
+                             reason="needs cupy with NCCL: pip install -e '.[cuda12]' (or cuda13)")
+
+
+def _marks(name: str, launcher: str) -> list:
+    if launcher == "mpi":
+        return [pytest.mark.mpi]
+    if name in ON_CUDA:
+        return [pytest.mark.gpu, NO_GPU] + ([NO_CUPY] if name == "nccl" else [])
+    return []
+
+
 PARAMS = [
     pytest.param(name, world, backend, env, launcher, group, id=f"{name}-w{world}-{group}",
-                 marks=[pytest.mark.mpi] if launcher == "mpi" else [])
+                 marks=_marks(name, launcher))
     for name, worlds, backend, env, launcher in TRANSPORTS
     for world in worlds
     for group in GROUPS
@@ -47,7 +67,9 @@ def _job(name: str, world: int, backend: str, env_items: tuple, launcher: str):
     else:  # hierarchical runs see hosts of 2 ranks, all on this machine
         layouts = {"hier-interleaved": {"interleaved_hosts": 2}, "hier-one-per-host": {"hosts_of": 1}}
         layout = layouts.get(name, {"hosts_of": 2} if name.startswith("hier") else {})
-        results = harness.launch("tests.conformance:run", world, env=env, backend=backend, timeout=600, **layout)
+        device = "cuda" if name in ON_CUDA else "cpu"
+        results = harness.launch("tests.conformance:run", world, env=env, backend=backend, device=device,
+                                 timeout=600, **layout)
     return harness.values(results)
 
 

@@ -1,0 +1,275 @@
+"""Collectives on CUDA tensors over NCCL (``cupy.cuda.nccl``), with ProcessGroupNCCL's streams.
+
+Every call is enqueued on this group's own stream for the tensors' device, after that stream
+waits for the caller's current stream (so whatever the caller's kernels wrote is what is sent),
+and the host returns at once with a ``CudaWork`` (see work.py). Lists of tensors go through one
+NCCL group call. What NCCL cannot do itself raises ``NeedsStaging`` before anything is enqueued,
+and the process group sends that call through host memory instead (staged.py): bitwise ops on
+integers (NCCL has none) and XOR on bool.
+
+Numerics are NCCL's, as with torch's "nccl" backend: 16-bit floats are reduced in their own
+dtype hop by hop, AVG is NCCL's native average (NCCL >= 2.10; older: SUM, then one division on
+the communication stream), bool reduces as uint8 (SUM/MAX/BOR = any, PRODUCT/MIN/BAND = all).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from ..errors import SMDDPError, where
+from ..ops import BITWISE_OPS, FLOATS, RedOp
+from .communicators import (NCCL_AVG_VERSION, NCCL_DTYPE_NAMES, NCCL_OP_NAMES, Communicators,
+                            nccl_version_string)
+from .environment import efa_devices, find_net_plugin, network_report
+from .watchdog import Watchdog
+from .work import CudaWork, run_on_stream
+
+log = logging.getLogger("smddp_lite")
+
+_BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
+            RedOp.PRODUCT: RedOp.MIN, RedOp.MIN: RedOp.MIN, RedOp.BAND: RedOp.MIN}
+_reported = False  # the network report is logged once per process
+
+
+class NeedsStaging(Exception):
+    """NCCL cannot run this call as asked; the process group stages it through host memory."""
+
+
+class NcclPath:
+    """The NCCL side of one process group."""
+
+    kind = "nccl"
+
+    def __init__(self, nccl, store, rank: int, world_size: int, timeout: timedelta, blocking: bool,
+                 debug: bool, on_failure: Callable[[str], None]) -> None:
+        self.nccl = nccl
+        self.rank, self.world_size = rank, world_size
+        self.timeout, self.blocking, self.debug = timeout, blocking, debug
+        self.comms = Communicators(nccl, store, rank, world_size)
+        self.avg_native = self.comms.version >= NCCL_AVG_VERSION
+        self.streams: dict[int, torch.cuda.Stream] = {}
+        self.last_device: torch.device | None = None
+        self._on_failure = on_failure
+        self.watchdog = Watchdog(f"r{rank}", self.comms.check_async_errors, self.comms.abort, on_failure)
+        self._dtype = {dt: getattr(nccl, name) for dt, name in NCCL_DTYPE_NAMES.items() if hasattr(nccl, name)}
+        self._op = {op: getattr(nccl, name) for op, name in NCCL_OP_NAMES.items() if hasattr(nccl, name)}
+
+    # the one path every call takes -------------------------------------------------------------
+    def _launch(self, op: str, device: torch.device, touched: list[torch.Tensor], outputs: list[torch.Tensor],
+                enqueue: Callable[[object, int], None]) -> CudaWork:
+        """Enqueue ``enqueue(comm, stream_handle)`` on the group's stream for ``device``."""
+        describe = where(self.rank, self.world_size, op)
+        comm = self.comms.get(device)
+        self._report_once(device)
+        stream = self.streams.get(device.index)
+        if stream is None:
+            stream = self.streams[device.index] = torch.cuda.Stream(device)
+        work = CudaWork(describe, device, outputs, self.timeout, self.blocking)
+        try:
+            run_on_stream(stream, touched, lambda: enqueue(comm, stream.cuda_stream))
+        except Exception as exc:  # NcclError: NCCL's own text, e.g. "NCCL_ERROR_INVALID_ARGUMENT: ..."
+            reason = f"{describe} NCCL failed: {exc}"
+            self._on_failure(reason)
+            self.comms.abort()
+            raise SMDDPError(reason) from exc
+        work.keep = touched
+        work.enqueued(stream)
+        self.watchdog.track(work)
+        self.last_device = device
+        return work
+
+    def _code(self, op: str, dtype: torch.dtype, red: RedOp | None = None) -> tuple[int, int | None, bool]:
+        """(NCCL dtype, NCCL op, divide by world size afterwards) for ``dtype`` and ``red``."""
+        if dtype == torch.bool:
+            if red is not None and red not in _BOOL_OP:
+                raise NeedsStaging(f"{red.name} on bool")
+            dtype, red = torch.uint8, (_BOOL_OP[red] if red is not None else None)
+        if dtype not in self._dtype:
+            raise NeedsStaging(f"dtype {dtype} has no NCCL type in this cupy/NCCL")
+        if red is None:
+            return self._dtype[dtype], None, False
+        if red in BITWISE_OPS:
+            raise NeedsStaging(f"{red.name}: NCCL has no bitwise reductions")
+        if red is RedOp.AVG and not (self.avg_native and RedOp.AVG in self._op):
+            return self._dtype[dtype], self._op[RedOp.SUM], dtype in FLOATS
+        return self._dtype[dtype], self._op[red], False
+
+    # collectives -------------------------------------------------------------------------------
+    def all_reduce(self, tensors: list[torch.Tensor], red: RedOp) -> CudaWork:
+        codes = [self._code("all_reduce", t.dtype, red) for t in tensors]
+        flats = [_Flat(t) for t in tensors]
+
+        def enqueue(comm, stream: int) -> None:
+            with _group(self.nccl, len(flats) > 1):
+                for f, (dt, nop, _) in zip(flats, codes):
+                    comm.allReduce(f.ptr, f.ptr, f.numel, dt, nop, stream)
+            for f, (_, _, divide) in zip(flats, codes):
+                if divide:
+                    f.flat.div_(self.world_size)
+                f.write_back()
+
+        return self._launch("all_reduce", tensors[0].device, tensors + [f.flat for f in flats], tensors, enqueue)
+
+    def broadcast(self, tensors: list[torch.Tensor], root: int) -> CudaWork:
+        codes = [self._code("broadcast", t.dtype)[0] for t in tensors]
+        flats = [_Flat(t) for t in tensors]
+
+        def enqueue(comm, stream: int) -> None:
+            with _group(self.nccl, len(flats) > 1):
+                for f, dt in zip(flats, codes):
+                    comm.broadcast(f.ptr, f.ptr, f.numel, dt, root, stream)
+            for f in flats:
+                f.write_back()
+
+        return self._launch("broadcast", tensors[0].device, tensors + [f.flat for f in flats], tensors, enqueue)
+
+    def reduce(self, tensor: torch.Tensor, root: int, red: RedOp) -> CudaWork:
+        dt, nop, divide = self._code("reduce", tensor.dtype, red)
+        f = _Flat(tensor)
+
+        def enqueue(comm, stream: int) -> None:
+            comm.reduce(f.ptr, f.ptr, f.numel, dt, nop, root, stream)
+            if self.rank == root:  # non-root tensors are left as they were
+                if divide:
+                    f.flat.div_(self.world_size)
+                f.write_back()
+
+        return self._launch("reduce", tensor.device, [tensor, f.flat], [tensor], enqueue)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> CudaWork:
+        """``output`` (world_size * n elements, contiguous) receives every rank's ``input``."""
+        dt = self._code("all_gather", input.dtype)[0]
+        src, dst = _Flat(input), _Flat(output)
+
+        def enqueue(comm, stream: int) -> None:
+            comm.allGather(src.ptr, dst.ptr, src.numel, dt, stream)
+            dst.write_back()
+
+        return self._launch("all_gather", input.device, [input, output, src.flat, dst.flat], [output], enqueue)
+
+    def all_gather_list(self, outputs: list[torch.Tensor], input: torch.Tensor) -> CudaWork:
+        dt = self._code("all_gather", input.dtype)[0]
+        src = _Flat(input)
+        n = src.numel
+
+        def enqueue(comm, stream: int) -> None:
+            flat = torch.empty(self.world_size * n, dtype=input.dtype, device=input.device)
+            comm.allGather(src.ptr, _ptr(flat), n, dt, stream)
+            for out, block in zip(outputs, flat.split(n) if n else [flat] * self.world_size):
+                out.copy_(block.view_as(out))
+
+        return self._launch("all_gather", input.device, [input, src.flat] + outputs, outputs, enqueue)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, red: RedOp) -> CudaWork:
+        """``output`` (n) receives the reduction of block ``rank`` of every rank's ``input``."""
+        dt, nop, divide = self._code("reduce_scatter", input.dtype, red)
+        src, dst = _Flat(input), _Flat(output)
+
+        def enqueue(comm, stream: int) -> None:
+            comm.reduceScatter(src.ptr, dst.ptr, dst.numel, dt, nop, stream)
+            if divide:
+                dst.flat.div_(self.world_size)
+            dst.write_back()
+
+        return self._launch("reduce_scatter", input.device, [input, output, src.flat, dst.flat], [output], enqueue)
+
+    def reduce_scatter_list(self, output: torch.Tensor, inputs: list[torch.Tensor], red: RedOp) -> CudaWork:
+        dt, nop, divide = self._code("reduce_scatter", output.dtype, red)
+        dst = _Flat(output)
+
+        def enqueue(comm, stream: int) -> None:
+            packed = torch.cat([t.reshape(-1) for t in inputs])
+            comm.reduceScatter(_ptr(packed), dst.ptr, dst.numel, dt, nop, stream)
+            if divide:
+                dst.flat.div_(self.world_size)
+            dst.write_back()
+
+        return self._launch("reduce_scatter", output.device, [output, dst.flat] + inputs, [output], enqueue)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> CudaWork:
+        """Block ``q`` of ``input`` (equal blocks) goes to rank ``q``'s block ``rank``."""
+        dt = self._code("all_to_all", input.dtype)[0]
+        src, dst = _Flat(input), _Flat(output)
+        n = src.numel // self.world_size
+        size = input.element_size()
+
+        def enqueue(comm, stream: int) -> None:
+            with _group(self.nccl, True):  # sends and receives of one step must be one group
+                for q in range(self.world_size):
+                    comm.send(src.ptr + q * n * size, n, dt, q, stream)
+                    comm.recv(dst.ptr + q * n * size, n, dt, q, stream)
+            dst.write_back()
+
+        return self._launch("all_to_all", input.device, [input, output, src.flat, dst.flat], [output], enqueue)
+
+    def barrier(self) -> CudaWork:
+        """A one-element all_reduce on the device this group last used, which the host then
+        waits for (as ProcessGroupNCCL's barrier does): earlier collectives have ended too."""
+        device = self.last_device or torch.device("cuda", torch.cuda.current_device())
+        work = self.all_reduce([torch.zeros(1, device=device)], RedOp.SUM)
+        work.block_host(work.timeout_s)
+        return work
+
+    # lifetime ----------------------------------------------------------------------------------
+    def close(self, abort: bool = False) -> None:
+        self.watchdog.stop()
+        (self.comms.abort if abort else self.comms.destroy)()
+
+    def _report_once(self, device: torch.device) -> None:
+        global _reported
+        if _reported:
+            return
+        _reported = True
+        lines, warnings = network_report(nccl_version_string(self.comms.version), os.environ,
+                                         find_net_plugin(os.environ), efa_devices())
+        if self.debug and self.rank == 0:
+            try:
+                torch_nccl = ".".join(map(str, torch.cuda.nccl.version()))
+            except (AttributeError, RuntimeError):  # a torch build without NCCL
+                torch_nccl = "not built in"
+            log.info("smddp: CUDA collectives on %s go through NCCL (cupy); torch's own NCCL is %s", device, torch_nccl)
+            for line in lines:
+                log.info("smddp: %s", line)
+        for line in warnings:
+            log.warning("smddp: rank %d: %s", self.rank, line)
+
+
+class _Flat:
+    """A contiguous 1-D view of a tensor (or a contiguous copy made on the communication stream
+    when the tensor is not contiguous, with ``write_back`` to copy the result home)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self._copy = not t.is_contiguous()
+        base = t.contiguous() if self._copy else t  # made before the stream switch: ordered by wait_stream
+        self.flat = base.view(-1)
+        self.numel = self.flat.numel()
+        self.ptr = _ptr(self.flat)
+
+    def write_back(self) -> None:
+        if self._copy:
+            self.tensor.copy_(self.flat.view_as(self.tensor))
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+class _group:
+    """``nccl.groupStart()`` / ``groupEnd()`` around several calls (one launch for them all)."""
+
+    def __init__(self, nccl, active: bool) -> None:
+        self.nccl, self.active = nccl, active
+
+    def __enter__(self) -> None:
+        if self.active:
+            self.nccl.groupStart()
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            self.nccl.groupEnd()

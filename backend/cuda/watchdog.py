@@ -1,0 +1,98 @@
+"""The watchdog: notices CUDA collectives that failed or got stuck, and aborts their communicator.
+
+NCCL reports some errors only asynchronously (a peer's connection dropped, a remote rank died)
+and a collective whose peers never arrive spins on the GPU forever. A daemon thread per process
+group therefore polls, every ``POLL_S``, each collective still in flight: one whose end event has
+passed is released; otherwise the communicator's asynchronous error is checked, and one older than
+the process group's timeout counts as stuck. Either way every communicator of the group is
+aborted (which makes NCCL's kernels return), every collective in flight fails with the reason,
+and the group refuses later calls with it, on every rank that sees the failure, instead of
+hanging. This is what ProcessGroupNCCL's watchdog does with TORCH_NCCL_ASYNC_ERROR_HANDLING.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from ..errors import PeerFailureError
+from .work import CudaWork
+
+log = logging.getLogger("smddp_lite")
+
+POLL_S = 0.1
+
+
+class Watchdog:
+    """Tracks the CUDA collectives of one process group until they end.
+
+    Args:
+        check_async_error: raises when a communicator reports an asynchronous error.
+        abort: aborts every communicator of the group (idempotent).
+        on_failure: records the failure reason on the process group.
+    """
+
+    def __init__(self, name: str, check_async_error: Callable[[], None], abort: Callable[[], None],
+                 on_failure: Callable[[str], None]) -> None:
+        self._check_async_error = check_async_error
+        self._abort = abort
+        self._on_failure = on_failure
+        self._pending: list[CudaWork] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"smddp-watchdog-{name}", daemon=True)
+        self._thread.start()
+
+    def track(self, work: CudaWork) -> None:
+        with self._lock:
+            self._pending.append(work)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.poll()
+
+    def poll(self) -> None:
+        """One round: release ended collectives, fail everything on an error or a timeout."""
+        with self._lock:
+            pending = list(self._pending)
+        if not pending:
+            return
+        reason = None
+        try:
+            self._check_async_error()
+        except Exception as exc:  # NCCL's own text, e.g. "NCCL_ERROR_REMOTE_ERROR: ..."
+            reason = f"NCCL reported an asynchronous error: {exc}"
+        still = []
+        now = time.monotonic()
+        for work in pending:
+            if work.error is not None or work.ended():
+                continue  # done: drop the references that kept its tensors alive
+            if reason is None and now - work.started > work.timeout_s:
+                reason = (f"{work.describe} did not complete within {work.timeout_s:.0f} s (the process group "
+                          "timeout): a peer is stuck, dead or calling a different collective")
+            still.append(work)
+        if reason is not None:
+            self._fail(reason, still)
+            still = []
+        with self._lock:
+            self._pending = still + self._pending[len(pending):]
+
+    def _fail(self, reason: str, works: list[CudaWork]) -> None:
+        log.error("smddp: %s; aborting the group's NCCL communicators", reason)
+        self._on_failure(reason)
+        try:
+            self._abort()
+        finally:
+            for work in works:
+                work.fail(PeerFailureError(reason))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2)

@@ -1,0 +1,145 @@
+"""Work handles for collectives on CUDA tensors, with ProcessGroupNCCL's stream semantics.
+
+A CUDA collective is enqueued on the backend's own stream (which first waits for the caller's
+current stream), so the host does not wait for it. What a caller does with the handle:
+
+- ``wait()`` makes the caller's *current* stream wait for the collective's end event and returns
+  at once; kernels the caller launches afterwards see the result. With blocking waits
+  (``SMDDP_BLOCKING_WAIT=1`` or torch's ``TORCH_NCCL_BLOCKING_WAIT=1``) it also blocks the host
+  until the collective ends, raising when the process group's timeout passes.
+- ``synchronize()`` is the stream wait alone; ``is_completed()`` asks the end event.
+- ``get_future()`` is a CUDA-aware ``torch.futures.Future`` completed with the output tensors on
+  the communication stream, so DDP communication hooks that chain ``then`` run after the
+  collective on the device, without a host synchronisation.
+
+Errors found later by the watchdog (an asynchronous NCCL error, a timeout) are raised from
+``wait()`` as ``DistBackendError``; C++ callers such as DDP's reducer see them there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PeerFailureError, SMDDPError
+
+
+class CudaWork(dist._Work):
+    """One collective on ``device``: ended when ``end`` (a CUDA event) has been reached.
+
+    ``keep`` holds every tensor the collective touches until the watchdog sees it end, so the
+    caching allocator cannot hand their memory to someone else meanwhile (the tensors are also
+    ``record_stream``-ed onto the communication stream, which covers frees on the caller's side).
+    """
+
+    def __init__(self, describe: str, device: torch.device, outputs: list[torch.Tensor], timeout: timedelta,
+                 blocking: bool) -> None:
+        super().__init__()
+        self.describe = describe
+        self.device = device
+        self.outputs = outputs
+        self.keep: list[torch.Tensor] = []
+        self.end: torch.cuda.Event | None = None
+        self.started = time.monotonic()
+        self.timeout_s = timeout.total_seconds()
+        self.blocking = blocking
+        self.error: BaseException | None = None
+        self._host_done = threading.Event()  # set once the host-side part (if any) has finished
+        self.future: torch.futures.Future = torch.futures.Future(devices=[device])
+
+    # completion ---------------------------------------------------------------------------------
+    def enqueued(self, stream: torch.cuda.Stream) -> None:
+        """The collective is on ``stream``: record its end and complete the future there."""
+        self.end = torch.cuda.Event()
+        self.end.record(stream)
+        with torch.cuda.stream(stream):  # the future's events are recorded on the current stream
+            self.future.set_result(self.outputs)
+        self._host_done.set()
+
+    def fail(self, error: BaseException) -> None:
+        """The collective failed or was aborted (watchdog, a host-side step)."""
+        if self.error is None:
+            self.error = error
+        if not self.future.done():
+            self.future.set_exception(_as_backend_error(error))
+        self._host_done.set()
+
+    def ended(self) -> bool:
+        """True once the device has passed the collective's end (never blocks)."""
+        return self._host_done.is_set() and self.end is not None and self.end.query()
+
+    # what callers use ---------------------------------------------------------------------------
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        limit = timeout.total_seconds() or self.timeout_s
+        if not self._host_done.wait(limit):
+            raise PeerFailureError(f"{self.describe}: the host-side part did not finish within {limit:.0f} s")
+        self._raise_if_failed()
+        if self.blocking:
+            self.block_host(limit)
+        torch.cuda.current_stream(self.device).wait_event(self.end)
+        return True
+
+    def synchronize(self) -> None:
+        self._host_done.wait(self.timeout_s)
+        self._raise_if_failed()
+        torch.cuda.current_stream(self.device).wait_event(self.end)
+
+    def is_completed(self) -> bool:
+        return self.error is not None or self.ended()
+
+    def is_success(self) -> bool:
+        return self.error is None and self.ended()
+
+    def exception(self):
+        return self.error
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self.outputs
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    # helpers ------------------------------------------------------------------------------------
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise _as_backend_error(self.error)
+
+    def block_host(self, limit: float) -> None:
+        """Block the host until the collective has ended on the device; raise on failure or
+        after ``limit`` seconds."""
+        deadline = time.monotonic() + limit
+        while not self.end.query():
+            self._raise_if_failed()  # the watchdog may abort while we poll
+            if time.monotonic() > deadline:
+                raise PeerFailureError(
+                    f"{self.describe}: not complete after {limit:.0f} s (the process group timeout); a peer "
+                    "is stuck, dead or calling a different collective"
+                )
+            time.sleep(50e-6)
+        self._raise_if_failed()
+
+
+def _as_backend_error(error: BaseException) -> BaseException:
+    if isinstance(error, dist.DistBackendError):
+        return error
+    wrapped = SMDDPError(str(error))
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def run_on_stream(stream: torch.cuda.Stream, tensors: list[torch.Tensor], enqueue: Callable[[], None]) -> None:
+    """Make ``stream`` wait for the caller's current stream, run ``enqueue`` with ``stream``
+    current (so kernels it launches, temporaries it allocates and NCCL calls given
+    ``torch.cuda.current_stream()`` all land there), and mark ``tensors`` as used on ``stream``
+    for the caching allocator."""
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        enqueue()
+    for t in tensors:
+        t.record_stream(stream)

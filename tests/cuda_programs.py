@@ -1,0 +1,110 @@
+"""Programs for CUDA tests (test_cuda.py): run on every rank of a job on a machine with a GPU.
+Every rank uses cuda:0, which the staged path allows and NCCL does not (world size 1 there)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import smddp_lite
+
+
+def _device() -> torch.device:
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
+
+
+def stream_ordering() -> dict:
+    """A kernel on the caller's stream writes the input just before an async collective; the
+    collective must see those values and the caller's next kernel must see the result, with no
+    explicit synchronisation anywhere."""
+    device = _device()
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = 1 << 20
+    x = torch.zeros(n, device=device)
+    out = torch.empty(world * n, device=device)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the current stream before the write
+    x.fill_(rank + 1)
+    start = time.monotonic()
+    work = dist.all_gather_into_tensor(out, x, async_op=True)
+    returned_s = time.monotonic() - start
+    work.wait()
+    doubled = out * 2  # on the current stream, after wait()
+    summed = torch.full((n,), float(rank + 1), device=device)
+    chained = dist.all_reduce(summed, async_op=True).get_future().then(lambda fut: fut.value()[0] * 3)
+    got = doubled.view(world, n)[:, 0].tolist()
+    result = {"gathered": got, "want": [2.0 * (r + 1) for r in range(world)],
+              "all_equal": bool((doubled.view(world, n) == doubled.view(world, n)[:, :1]).all()),
+              "chained": float(chained.wait()[0]), "chained_want": 3.0 * world * (world + 1) / 2,
+              "host_returned_s": returned_s, "transport": smddp_lite_cuda_transport()}
+    dist.destroy_process_group()
+    return result
+
+
+def smddp_lite_cuda_transport() -> str:
+    paths = dist.distributed_c10d._get_default_group()._cuda  # the group object is smddp's own
+    return "none" if paths is None else ("nccl" if paths.nccl is not None else "staged")
+
+
+def ddp_parity(steps: int = 8) -> dict:
+    """DDP on CUDA with "smddp" against DDP on CUDA with torch's own backend for CUDA tensors
+    ("nccl" at world size 1, "gloo" where several ranks share the GPU): same parameters."""
+    device = _device()
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = dist.new_group(backend="nccl" if world == 1 else "gloo")
+    finals = {}
+    for name, group in (("smddp", None), ("reference", reference)):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(device)
+        model = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index], process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            x = torch.randn(16, 64, generator=gen).to(device)
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        finals[name] = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
+    diff = float((finals["smddp"] - finals["reference"]).abs().max())
+    dist.destroy_process_group()
+    return {"max_diff": diff}
+
+
+def bad_input() -> dict:
+    """Tensors on two devices in one call: a clear error at once, and the group still works."""
+    device = _device()
+    smddp_lite.init()
+    errors = {}
+    try:
+        dist.all_gather_into_tensor(torch.empty(2 * dist.get_world_size(), device=device), torch.ones(2))
+    except ValueError as exc:
+        errors["mixed"] = str(exc)
+    t = torch.ones(4, device=device)
+    dist.all_reduce(t)
+    ok = bool((t == dist.get_world_size()).all())
+    dist.destroy_process_group()
+    return {"errors": errors, "still_works": ok}
+
+
+def peer_stuck() -> dict:
+    """Rank 1 skips a collective: rank 0's wait raises within the group timeout, not never."""
+    _device()
+    smddp_lite.init(timeout=timedelta(seconds=3))
+    t = torch.ones(8, device="cuda")
+    start = time.monotonic()
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            dist.all_reduce(t)
+            torch.cuda.synchronize()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    else:
+        time.sleep(8)
+    return {"error": error, "seconds": time.monotonic() - start}

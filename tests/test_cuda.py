@@ -1,0 +1,205 @@
+"""CUDA tensors on "smddp": NCCL through cupy, the staged path, streams, errors, EFA reporting.
+
+The first half needs no GPU and runs in CI: how the CUDA side is chosen and what it says when
+cupy is missing, the NCCL unique-id and version encodings, the EFA/plugin report, the watchdog's
+decisions, configuration. The second half (marked ``gpu``) runs real jobs on a CUDA device and
+skips without one; the conformance suite's CUDA runs are in test_conformance.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from smddp_lite.backend.cuda import CudaPaths
+from smddp_lite.backend.cuda.communicators import decode_unique_id, encode_unique_id, nccl_version_string
+from smddp_lite.backend.cuda.environment import find_net_plugin, network_report
+from smddp_lite.backend.cuda.watchdog import Watchdog
+from smddp_lite.backend.errors import PeerFailureError
+from smddp_lite.config import backend_config
+
+from . import harness
+
+HAS_CUPY = importlib.util.find_spec("cupy") is not None
+needs_cupy = pytest.mark.skipif(not HAS_CUPY, reason="needs cupy with NCCL: pip install -e '.[cuda12]'")
+
+
+# --- no GPU needed ------------------------------------------------------------------------------
+
+@pytest.mark.skipif(HAS_CUPY, reason="cupy is installed here: the missing-cupy path cannot be shown")
+def test_without_cupy_cuda_tensors_are_staged_with_advice():
+    with pytest.warns(UserWarning, match=r"host memory.*pip install 'smddp-lite\[cuda12\]'"):
+        paths = CudaPaths(None, 0, 1, timedelta(seconds=5), backend_config({}), lambda reason: None)
+    assert paths.nccl is None and "cupy is not installed" in paths.reason
+
+
+@pytest.mark.skipif(HAS_CUPY, reason="cupy is installed here: the missing-cupy path cannot be shown")
+def test_forcing_nccl_without_cupy_is_an_error_that_says_what_to_install():
+    config = backend_config({"SMDDP_CUDA_TRANSPORT": "nccl"})
+    with pytest.raises(ImportError, match=r"SMDDP_CUDA_TRANSPORT=nccl, but cupy is not installed.*cuda12"):
+        CudaPaths(None, 0, 1, timedelta(seconds=5), config, lambda reason: None)
+
+
+def test_staged_by_choice_needs_nothing_and_warns_nothing(recwarn):
+    paths = CudaPaths(None, 0, 1, timedelta(seconds=5), backend_config({"SMDDP_CUDA_TRANSPORT": "staged"}),
+                      lambda reason: None)
+    assert paths.nccl is None and paths.staged.kind == "staged" and not recwarn.list
+
+
+def test_cuda_configuration_is_checked():
+    assert backend_config({"SMDDP_BLOCKING_WAIT": "1"}).blocking_wait is True
+    with pytest.raises(ValueError, match=r"SMDDP_CUDA_TRANSPORT='cupy'.*auto, nccl, staged"):
+        backend_config({"SMDDP_CUDA_TRANSPORT": "cupy"})
+
+
+@pytest.mark.parametrize("uid", [bytes(range(128)), tuple(range(-64, 64)), bytes([255, 0, 128] * 42 + [1, 2])])
+def test_unique_id_survives_the_store(uid):
+    back = decode_unique_id(encode_unique_id(uid))
+    assert back == uid and type(back) is type(uid)
+
+
+def test_nccl_versions_read_as_released():
+    assert nccl_version_string(21903) == "2.19.3"
+    assert nccl_version_string(23203) == "2.32.3"
+    assert nccl_version_string(2804) == "2.8.4"  # before 2.9 NCCL counted major * 1000
+
+
+def test_efa_host_without_plugin_gets_a_warning_that_says_what_to_set():
+    lines, warnings = network_report("2.21.5", {"FI_PROVIDER": "efa"}, None, ["rdmap16s27"])
+    assert "NCCL 2.21.5" in lines[0] and "none found" in lines[0]
+    assert "rdmap16s27" in lines[1] and "FI_PROVIDER=efa" in lines[1]
+    (warning,) = warnings
+    for needed in ("aws-ofi-nccl", "FI_EFA_USE_DEVICE_RDMA=1", "NCCL_SOCKET_IFNAME", "LD_LIBRARY_PATH"):
+        assert needed in warning
+
+
+def test_efa_host_with_plugin_and_wrong_provider():
+    _, warnings = network_report("2.21.5", {"FI_PROVIDER": "tcp"}, "/opt/amazon/ofi-nccl/lib/libnccl-net.so",
+                                 ["rdmap0"])
+    assert warnings == ["FI_PROVIDER=tcp on an EFA host; set FI_PROVIDER=efa"]
+    assert network_report("2.21.5", {}, None, [])[1] == []  # no EFA: nothing to warn about
+
+
+def test_plugin_is_found_on_ld_library_path_first():
+    present = {"/custom/lib/libnccl-net.so", "/opt/amazon/ofi-nccl/lib/libnccl-net.so"}
+    assert find_net_plugin({"LD_LIBRARY_PATH": "/custom/lib"}, present.__contains__) == "/custom/lib/libnccl-net.so"
+    assert find_net_plugin({}, present.__contains__) == "/opt/amazon/ofi-nccl/lib/libnccl-net.so"
+    assert find_net_plugin({"NCCL_NET_PLUGIN": "aws-ofi"}, {"/usr/local/lib/libnccl-net-aws-ofi.so"}.__contains__) \
+        == "/usr/local/lib/libnccl-net-aws-ofi.so"
+    assert find_net_plugin({}, lambda path: False) is None
+
+
+class _InFlight:
+    """A collective as the watchdog sees one (CudaWork's fields), without a device."""
+
+    def __init__(self, describe: str, age_s: float, timeout_s: float, ended: bool = False) -> None:
+        self.describe, self.timeout_s, self.error = describe, timeout_s, None
+        self.started = time.monotonic() - age_s
+        self._ended = ended
+
+    def ended(self) -> bool:
+        return self._ended
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _watchdog(async_error: Exception | None = None):
+    events = []
+
+    def check() -> None:
+        if async_error is not None:
+            raise async_error
+
+    dog = Watchdog("test", check, lambda: events.append("abort"), lambda reason: events.append(reason))
+    dog.stop()  # drive it by hand, one poll at a time
+    return dog, events
+
+
+def test_watchdog_releases_ended_work_and_leaves_young_work_alone():
+    dog, events = _watchdog()
+    done, young = _InFlight("done", 0.0, 10, ended=True), _InFlight("young", 1.0, 10)
+    dog.track(done)
+    dog.track(young)
+    dog.poll()
+    assert dog.in_flight() == 1 and events == [] and young.error is None
+
+
+def test_watchdog_aborts_a_stuck_collective_and_fails_everything_in_flight():
+    dog, events = _watchdog()
+    stuck = _InFlight("[smddp rank 0/2 host h] all_reduce:", 11.0, 10)
+    behind = _InFlight("[smddp rank 0/2 host h] broadcast:", 1.0, 10)
+    dog.track(stuck)
+    dog.track(behind)
+    dog.poll()
+    assert events[-1] == "abort" and "all_reduce: did not complete within 10 s" in events[0]
+    assert isinstance(stuck.error, PeerFailureError) and isinstance(behind.error, PeerFailureError)
+    assert dog.in_flight() == 0
+
+
+def test_watchdog_turns_an_async_nccl_error_into_a_failure_naming_it():
+    dog, events = _watchdog(RuntimeError("NCCL_ERROR_REMOTE_ERROR: remote process exited"))
+    work = _InFlight("[smddp rank 1/2 host h] all_gather:", 0.5, 10)
+    dog.track(work)
+    dog.poll()
+    assert "NCCL_ERROR_REMOTE_ERROR" in events[0] and events[-1] == "abort"
+    assert "NCCL_ERROR_REMOTE_ERROR" in str(work.error)
+
+
+def test_watchdog_thread_polls_on_its_own():
+    aborted = threading.Event()
+    dog = Watchdog("thread", lambda: None, aborted.set, lambda reason: None)
+    try:
+        dog.track(_InFlight("old", 5.0, 1))
+        assert aborted.wait(2), "the watchdog thread did not abort a timed-out collective"
+    finally:
+        dog.stop()
+
+
+# --- on a GPU -----------------------------------------------------------------------------------
+
+def on_gpu(test):
+    """Marked ``gpu`` (select with ``-m gpu``) and skipped, saying why, where there is no GPU."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                              reason="needs a CUDA device (CI has none)")(test))
+
+
+@on_gpu
+@pytest.mark.parametrize("transport, world", [pytest.param("nccl", 1, marks=needs_cupy), ("staged", 1), ("staged", 2)])
+def test_stream_ordering(transport, world):
+    env = {"SMDDP_CUDA_TRANSPORT": transport}
+    for rank, r in enumerate(harness.values(harness.launch("tests.cuda_programs:stream_ordering", world, env=env))):
+        assert r["transport"] == transport, r
+        assert r["gathered"] == r["want"] and r["all_equal"], (rank, r)
+        assert r["chained"] == r["chained_want"], (rank, r)
+        if transport == "nccl":  # enqueued behind a 0.1 s kernel: the host must not have waited for it
+            assert r["host_returned_s"] < 0.05, (rank, r)
+
+
+@on_gpu
+@pytest.mark.parametrize("transport, world", [pytest.param("nccl", 1, marks=needs_cupy), ("staged", 2)])
+def test_ddp_on_cuda_matches_torch(transport, world):
+    env = {"SMDDP_CUDA_TRANSPORT": transport}
+    for r in harness.values(harness.launch("tests.cuda_programs:ddp_parity", world, env=env)):
+        # world 1: no reduction at all, so bit for bit; world 2: one float32 addition of two
+        # numbers, which IEEE makes order-free, so bit for bit as well
+        assert r["max_diff"] == 0.0, r
+
+
+@on_gpu
+@pytest.mark.parametrize("transport", [pytest.param("nccl", marks=needs_cupy), "staged"])
+def test_mixed_devices_are_refused_clearly(transport):
+    (r,) = harness.values(harness.launch("tests.cuda_programs:bad_input", 1, env={"SMDDP_CUDA_TRANSPORT": transport}))
+    assert "several devices (cpu, cuda:0)" in r["errors"]["mixed"] and r["still_works"], r
+
+
+@on_gpu
+def test_staged_peer_stuck_raises_within_the_timeout():
+    results = harness.launch("tests.cuda_programs:peer_stuck", 2, env={"SMDDP_CUDA_TRANSPORT": "staged"}, timeout=60)
+    r0 = results[0].value
+    assert r0 is not None and r0["error"] is not None and r0["seconds"] < 8, results[0].output[-2000:]
