@@ -87,14 +87,14 @@ class NcclPath:
         """(NCCL dtype, NCCL op, divide by world size afterwards) for ``dtype`` and ``red``."""
         if dtype == torch.bool:
             if red is not None and red not in _BOOL_OP:
-                raise NeedsStaging(f"{red.name} on bool")
+                raise NeedsStaging(f"{op}: {red.name} on bool")
             dtype, red = torch.uint8, (_BOOL_OP[red] if red is not None else None)
         if dtype not in self._dtype:
-            raise NeedsStaging(f"dtype {dtype} has no NCCL type in this cupy/NCCL")
+            raise NeedsStaging(f"{op}: dtype {dtype} has no NCCL type in this cupy/NCCL")
         if red is None:
             return self._dtype[dtype], None, False
         if red in BITWISE_OPS:
-            raise NeedsStaging(f"{red.name}: NCCL has no bitwise reductions")
+            raise NeedsStaging(f"{op}: {red.name}: NCCL has no bitwise reductions")
         if red is RedOp.AVG and not (self.avg_native and RedOp.AVG in self._op):
             return self._dtype[dtype], self._op[RedOp.SUM], dtype in FLOATS
         return self._dtype[dtype], self._op[red], False
@@ -113,7 +113,7 @@ class NcclPath:
                     f.flat.div_(self.world_size)
                 f.write_back()
 
-        return self._launch("all_reduce", tensors[0].device, tensors + [f.flat for f in flats], tensors, enqueue)
+        return self._launch("all_reduce", tensors[0].device, _touched(*flats), tensors, enqueue)
 
     def broadcast(self, tensors: list[torch.Tensor], root: int) -> CudaWork:
         codes = [self._code("broadcast", t.dtype)[0] for t in tensors]
@@ -126,7 +126,7 @@ class NcclPath:
             for f in flats:
                 f.write_back()
 
-        return self._launch("broadcast", tensors[0].device, tensors + [f.flat for f in flats], tensors, enqueue)
+        return self._launch("broadcast", tensors[0].device, _touched(*flats), tensors, enqueue)
 
     def reduce(self, tensor: torch.Tensor, root: int, red: RedOp) -> CudaWork:
         dt, nop, divide = self._code("reduce", tensor.dtype, red)
@@ -139,7 +139,7 @@ class NcclPath:
                     f.flat.div_(self.world_size)
                 f.write_back()
 
-        return self._launch("reduce", tensor.device, [tensor, f.flat], [tensor], enqueue)
+        return self._launch("reduce", tensor.device, _touched(f), [tensor], enqueue)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> CudaWork:
         """``output`` (world_size * n elements, contiguous) receives every rank's ``input``."""
@@ -150,7 +150,7 @@ class NcclPath:
             comm.allGather(src.ptr, dst.ptr, src.numel, dt, stream)
             dst.write_back()
 
-        return self._launch("all_gather", input.device, [input, output, src.flat, dst.flat], [output], enqueue)
+        return self._launch("all_gather", input.device, _touched(src, dst), [output], enqueue)
 
     def all_gather_list(self, outputs: list[torch.Tensor], input: torch.Tensor) -> CudaWork:
         dt = self._code("all_gather", input.dtype)[0]
@@ -163,7 +163,7 @@ class NcclPath:
             for out, block in zip(outputs, flat.split(n) if n else [flat] * self.world_size):
                 out.copy_(block.view_as(out))
 
-        return self._launch("all_gather", input.device, [input, src.flat] + outputs, outputs, enqueue)
+        return self._launch("all_gather", input.device, _touched(src) + outputs, outputs, enqueue)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, red: RedOp) -> CudaWork:
         """``output`` (n) receives the reduction of block ``rank`` of every rank's ``input``."""
@@ -176,7 +176,7 @@ class NcclPath:
                 dst.flat.div_(self.world_size)
             dst.write_back()
 
-        return self._launch("reduce_scatter", input.device, [input, output, src.flat, dst.flat], [output], enqueue)
+        return self._launch("reduce_scatter", input.device, _touched(src, dst), [output], enqueue)
 
     def reduce_scatter_list(self, output: torch.Tensor, inputs: list[torch.Tensor], red: RedOp) -> CudaWork:
         dt, nop, divide = self._code("reduce_scatter", output.dtype, red)
@@ -189,7 +189,7 @@ class NcclPath:
                 dst.flat.div_(self.world_size)
             dst.write_back()
 
-        return self._launch("reduce_scatter", output.device, [output, dst.flat] + inputs, [output], enqueue)
+        return self._launch("reduce_scatter", output.device, _touched(dst) + inputs, [output], enqueue)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> CudaWork:
         """Block ``q`` of ``input`` (equal blocks) goes to rank ``q``'s block ``rank``."""
@@ -205,7 +205,7 @@ class NcclPath:
                     comm.recv(dst.ptr + q * n * size, n, dt, q, stream)
             dst.write_back()
 
-        return self._launch("all_to_all", input.device, [input, output, src.flat, dst.flat], [output], enqueue)
+        return self._launch("all_to_all", input.device, _touched(src, dst), [output], enqueue)
 
     def barrier(self) -> CudaWork:
         """A one-element all_reduce on the device this group last used, which the host then
@@ -245,15 +245,21 @@ class _Flat:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.tensor = t
-        self._copy = not t.is_contiguous()
-        base = t.contiguous() if self._copy else t  # made before the stream switch: ordered by wait_stream
+        self.copied = not t.is_contiguous()
+        base = t.contiguous() if self.copied else t  # made before the stream switch: ordered by wait_stream
         self.flat = base.view(-1)
         self.numel = self.flat.numel()
         self.ptr = _ptr(self.flat)
 
     def write_back(self) -> None:
-        if self._copy:
+        if self.copied:
             self.tensor.copy_(self.flat.view_as(self.tensor))
+
+
+def _touched(*flats: _Flat) -> list[torch.Tensor]:
+    """One tensor per memory block a call touches (record_stream works per block): the flat
+    view, and the caller's tensor too where the flat one is a contiguous copy of it."""
+    return [t for f in flats for t in ((f.flat, f.tensor) if f.copied else (f.flat,))]
 
 
 def _ptr(t: torch.Tensor) -> int:

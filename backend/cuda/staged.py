@@ -62,9 +62,8 @@ class StagedPath:
                 work.fail(exc)
                 return
             with torch.cuda.device(device), torch.cuda.stream(stream):
-                for host, cuda in pairs:
+                for host, cuda in pairs:  # the pinned allocator keeps each host copy until its copy ends
                     cuda.copy_(host, non_blocking=True)
-                work.keep = [t for pair in pairs for t in pair]
                 work.enqueued(stream)
 
         cpu_work.get_future().then(copy_back)

@@ -72,7 +72,8 @@ class Watchdog:
         now = time.monotonic()
         for work in pending:
             if work.error is not None or work.ended():
-                continue  # done: drop the references that kept its tensors alive
+                work.keep = []  # done: drop the references that kept its tensors alive
+                continue
             if reason is None and now - work.started > work.timeout_s:
                 reason = (f"{work.describe} did not complete within {work.timeout_s:.0f} s (the process group "
                           "timeout): a peer is stuck, dead or calling a different collective")

@@ -8,9 +8,10 @@ current stream), so the host does not wait for it. What a caller does with the h
   (``SMDDP_BLOCKING_WAIT=1`` or torch's ``TORCH_NCCL_BLOCKING_WAIT=1``) it also blocks the host
   until the collective ends, raising when the process group's timeout passes.
 - ``synchronize()`` is the stream wait alone; ``is_completed()`` asks the end event.
-- ``get_future()`` is a CUDA-aware ``torch.futures.Future`` completed with the output tensors on
-  the communication stream, so DDP communication hooks that chain ``then`` run after the
-  collective on the device, without a host synchronisation.
+- ``get_future()`` is a CUDA-aware ``torch.futures.Future`` of the output tensors, completed on
+  a stream that waits for the collective's end, so DDP communication hooks that chain ``then``
+  run after the collective on the device, without a host synchronisation. It is made only when
+  asked for: a plain ``dist.all_reduce`` does not pay for it.
 
 Errors found later by the watchdog (an asynchronous NCCL error, a timeout) are raised from
 ``wait()`` as ``DistBackendError``; C++ callers such as DDP's reducer see them there.
@@ -50,23 +51,27 @@ class CudaWork(dist._Work):
         self.blocking = blocking
         self.error: BaseException | None = None
         self._host_done = threading.Event()  # set once the host-side part (if any) has finished
-        self.future: torch.futures.Future = torch.futures.Future(devices=[device])
+        self._future: torch.futures.Future | None = None  # made on request: most callers only wait()
+        self._lock = threading.Lock()
 
     # completion ---------------------------------------------------------------------------------
     def enqueued(self, stream: torch.cuda.Stream) -> None:
-        """The collective is on ``stream``: record its end and complete the future there."""
+        """The collective is on ``stream``: record its end there (and complete the future, if
+        someone already asked for it: the staged path ends on the communication thread)."""
         self.end = torch.cuda.Event()
         self.end.record(stream)
-        with torch.cuda.stream(stream):  # the future's events are recorded on the current stream
-            self.future.set_result(self.outputs)
-        self._host_done.set()
+        with self._lock:
+            self._host_done.set()
+            if self._future is not None:
+                self._complete_future()
 
     def fail(self, error: BaseException) -> None:
         """The collective failed or was aborted (watchdog, a host-side step)."""
-        if self.error is None:
-            self.error = error
-        if not self.future.done():
-            self.future.set_exception(_as_backend_error(error))
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            if self._future is not None and not self._future.done():
+                self._future.set_exception(_as_backend_error(error))
         self._host_done.set()
 
     def ended(self) -> bool:
@@ -103,7 +108,25 @@ class CudaWork(dist._Work):
         return self.outputs
 
     def get_future(self) -> torch.futures.Future:
-        return self.future
+        """A CUDA-aware future of the outputs: completed on a stream that waits for the
+        collective's end event, so ``then`` callbacks and ``wait()`` are ordered after it on
+        the device (ProcessGroupNCCL completes its futures the same way)."""
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future(devices=[self.device])
+                if self.error is not None:
+                    self._future.set_exception(_as_backend_error(self.error))
+                elif self._host_done.is_set():
+                    self._complete_future()
+            return self._future
+
+    def _complete_future(self) -> None:
+        # set_result records an event on the current stream: make that a stream of its own that
+        # waits for the end event, so neither the caller's stream nor later collectives wait
+        stream = _future_stream(self.device)
+        stream.wait_event(self.end)
+        with torch.cuda.stream(stream):
+            self._future.set_result(self.outputs)
 
     # helpers ------------------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
@@ -123,6 +146,16 @@ class CudaWork(dist._Work):
                 )
             time.sleep(50e-6)
         self._raise_if_failed()
+
+
+_FUTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _future_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _FUTURE_STREAMS.get(device.index)
+    if stream is None:
+        stream = _FUTURE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return stream
 
 
 def _as_backend_error(error: BaseException) -> BaseException:
