@@ -43,8 +43,8 @@ def _device_aware(method):
 
             try:
                 return method(self, *args, **kwargs)
-            except NeedsStaging:
-                pass  # raised before anything was enqueued: the same call, staged
+            except NeedsStaging as why:  # raised before anything was enqueued: stage the same call
+                log.debug("smddp: %s on %s goes through host memory: %s", method.__name__, device, why)
         return paths.staged.run(method.__name__, functools.partial(method, self), args, kwargs, device)
 
     return route

@@ -44,7 +44,7 @@ class SMDDPWork(dist._Work):
         if error is None:
             self._future.set_result(self._outputs)
         else:
-            self._future.set_exception(_as_backend_error(error))
+            self._future.set_exception(as_backend_error(error))
         self._done.set()
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -55,7 +55,7 @@ class SMDDPWork(dist._Work):
                 "is stuck, dead or calling a different collective"
             )
         if self._error is not None:
-            raise _as_backend_error(self._error)
+            raise as_backend_error(self._error)
         return True
 
     def synchronize(self) -> None:
@@ -82,7 +82,7 @@ class SMDDPWork(dist._Work):
         return self._outputs
 
 
-def _as_backend_error(error: BaseException) -> BaseException:
+def as_backend_error(error: BaseException) -> BaseException:
     if isinstance(error, dist.DistBackendError):
         return error
     wrapped = SMDDPError(str(error))

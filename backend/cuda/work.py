@@ -27,7 +27,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import PeerFailureError, SMDDPError
+from ..errors import PeerFailureError
+from ..work import as_backend_error
 
 
 class CudaWork(dist._Work):
@@ -71,7 +72,7 @@ class CudaWork(dist._Work):
             if self.error is None:
                 self.error = error
             if self._future is not None and not self._future.done():
-                self._future.set_exception(_as_backend_error(error))
+                self._future.set_exception(as_backend_error(error))
         self._host_done.set()
 
     def ended(self) -> bool:
@@ -115,7 +116,7 @@ class CudaWork(dist._Work):
             if self._future is None:
                 self._future = torch.futures.Future(devices=[self.device])
                 if self.error is not None:
-                    self._future.set_exception(_as_backend_error(self.error))
+                    self._future.set_exception(as_backend_error(self.error))
                 elif self._host_done.is_set():
                     self._complete_future()
             return self._future
@@ -131,7 +132,7 @@ class CudaWork(dist._Work):
     # helpers ------------------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
         if self.error is not None:
-            raise _as_backend_error(self.error)
+            raise as_backend_error(self.error)
 
     def block_host(self, limit: float) -> None:
         """Block the host until the collective has ended on the device; raise on failure or
@@ -156,14 +157,6 @@ def _future_stream(device: torch.device) -> torch.cuda.Stream:
     if stream is None:
         stream = _FUTURE_STREAMS[device.index] = torch.cuda.Stream(device)
     return stream
-
-
-def _as_backend_error(error: BaseException) -> BaseException:
-    if isinstance(error, dist.DistBackendError):
-        return error
-    wrapped = SMDDPError(str(error))
-    wrapped.__cause__ = error
-    return wrapped
 
 
 def run_on_stream(stream: torch.cuda.Stream, tensors: list[torch.Tensor], enqueue: Callable[[], None]) -> None:
