@@ -89,7 +89,7 @@ COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment); the cost mo
 def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str, launcher: str = "torchrun") -> list[dict]:
     """all_reduce timings (benchmarks/collectives.py, smddp only) on a fresh simulated cluster."""
     out = os.path.join(tmp, f"coll-{hosts}x{per_host}-{len(os.listdir(tmp))}.json")
-    script = ["collectives.py", "--backends=smddp", "--ops=all_reduce", "-b", "64K", "-e", "16M", "-f", "4", "-n", "10", "-w", "3", "--json", out]
+    script = ["collectives.py", "--backends=smddp", "--ops=all_reduce", "-b", "64K", "-e", "16M", "-f", "2", "-n", "20", "-w", "3", "--json", out]
     with SimCluster(hosts, rate=rate) as cluster:
         procs = start_job(cluster, per_host, script, env, launcher)
         outputs = [p.communicate(timeout=1200)[0] for p in procs]
@@ -170,7 +170,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds per configuration, the variants alternating within each; the table "
-                             "shows each variant's median run")
+                             "shows each variant's median run (--collectives: the cost model takes each "
+                             "size's median)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", time.strftime("%Y-%m-%d") + "-scaling"))
     parser.add_argument("--launcher", choices=["torchrun", "mpiexec"], default="torchrun",
                         help="one torchrun per host (multi-node rendezvous), or mpiexec with a host list")
@@ -180,10 +181,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.collectives:
         with tempfile.TemporaryDirectory() as tmp:
-            rows = [r for h, p, env in COLLECTIVE_RUNS for r in run_collectives(h, p, env, args.rate, tmp, args.launcher)]
+            rows = []
+            for rep in range(args.repeat):  # every configuration once per round: drifts hit each alike
+                for h, p, env in COLLECTIVE_RUNS:
+                    rows += [{**r, "round": rep} for r in run_collectives(h, p, env, args.rate, tmp, args.launcher)]
+                    print(f"round {rep}: {h} x {p} {env}", flush=True)
         with open(args.out + ".json", "w") as f:
             # every simulated host shares this machine's cores: the cost model's contention term
-            json.dump({"rate": args.rate, "cores": os.cpu_count(), "rows": rows}, f, indent=1)
+            json.dump({"rate": args.rate, "cores": os.cpu_count(), "rounds": args.repeat, "rows": rows}, f, indent=1)
         print(f"wrote {args.out}.json ({len(rows)} measurements)")
         return
     if args.quick:
