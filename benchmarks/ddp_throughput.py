@@ -66,15 +66,18 @@ def main() -> None:
     for step, (x, y) in enumerate(batches):
         if step == args.warmup:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         if start is not None:
             step_ends.append(time.perf_counter())
+    cpu = time.process_time() - cpu_start  # every thread of this rank: compute and communication
     dist.barrier()
     elapsed = time.perf_counter() - start
+    cpu_per_step = [None] * world
+    dist.all_gather_object(cpu_per_step, round(cpu / args.steps, 5))
     step_times = [b - a for a, b in zip([start] + step_ends, step_ends)]
     if rank == 0:
         params = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
@@ -82,7 +85,7 @@ def main() -> None:
             torch.save(params, args.save_params)
         print(json.dumps({"variant": args.variant, "world": world, "samples_per_s": args.batch * world * args.steps / elapsed,
                           "step_s": elapsed / args.steps,
-                          "step_times_s": [round(t, 5) for t in step_times], "loss": loss.item(), "hosts": hosts, "env": {
+                          "step_times_s": [round(t, 5) for t in step_times], "cpu_s_per_step": cpu_per_step, "loss": loss.item(), "hosts": hosts, "env": {
                               k: v for k, v in os.environ.items() if k.startswith("SMDDP_") and k != "SMDDP_HOSTNAME"}}),
               flush=True)
     dist.destroy_process_group()
