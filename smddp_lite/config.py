@@ -125,7 +125,8 @@ class CompileConfig:
     """Options of ``smddp_lite.compile`` (keyword arguments override the environment)."""
 
     bucket_cap_mb: float = 25.0
-    """Gradient bytes per communication bucket (DDP's default). Env: ``SMDDP_BUCKET_CAP_MB``."""
+    """Gradient bytes per communication bucket (DDP's default); as in DDP, a bucket closes once it
+    holds this much or more. Env: ``SMDDP_BUCKET_CAP_MB``."""
 
     first_bucket_mb: float = 1.0
     """The first bucket (the last layers' gradients, ready first) is small so that

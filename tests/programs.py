@@ -199,7 +199,7 @@ def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float 
     opt_e = torch.optim.AdamW(eager.parameters(), lr=3e-3, weight_decay=0.01)
     compiled, opt_c = smddp_lite.compile(compiled_module, torch.optim.AdamW(compiled_module.parameters(), lr=3e-3,
                                                                              weight_decay=0.01),
-                                         bucket_cap_mb=0.01, first_bucket_mb=0.002, wire_dtype=wire_dtype,
+                                         bucket_cap_mb=0.01, first_bucket_mb=0.001, wire_dtype=wire_dtype,
                                          max_grad_norm=clip)
     teacher = torch.randn(33, 5, generator=torch.Generator().manual_seed(7))  # a learnable labelling
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data

@@ -164,8 +164,8 @@ def test_gradient_accumulation_with_no_sync_and_grads_are_bucket_views():
     eager = _model()
     model = copy.deepcopy(eager)
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
-    compiled, opt_c = smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=0.001,
-                                         first_bucket_mb=0.0005)
+    compiled, opt_c = smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=0.0004,
+                                         first_bucket_mb=0.0002)
     assert len(opt_c.buckets) > 2  # small caps: several buckets
     (x1, y1), (x2, y2) = _batches(2)
     for net, ctx in ((eager, None), (compiled, compiled.no_sync())):
@@ -253,3 +253,18 @@ def test_scale_lr_rule():
     assert smddp_lite.scale_lr(1e-3, 4, "sqrt") == pytest.approx(2e-3)
     with pytest.raises(ValueError, match="linear' or 'sqrt"):
         smddp_lite.scale_lr(1e-3, 4, "cubic")
+
+
+def test_buckets_close_once_they_reach_their_cap_as_in_ddp():
+    from smddp_lite.compiler.buckets import plan_buckets
+
+    kib = 1024
+    sizes = [64, 512 * 256, 256, 2048 * 256, 64]  # bias, weight, bias, weight, bias (float32 elements)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    buckets = plan_buckets([(0, p) for p in params], cap_bytes=1024 * kib, first_cap_bytes=256 * kib)
+    # the first bucket takes the 512 KiB weight that crosses its 256 KiB cap (DDP does the same),
+    # so the last layer's weight is reduced early in backward instead of with the last bucket
+    assert [[p.numel() for p in b.params] for b in buckets] == [[64, 512 * 256], [256, 2048 * 256], [64]]
+    assert [b.offsets for b in buckets] == [[0, 64], [0, 256], [0]]
+    half = [torch.nn.Parameter(torch.zeros(8, dtype=torch.float16)), torch.nn.Parameter(torch.zeros(8))]
+    assert len(plan_buckets([(0, p) for p in half], 1 << 20, 1 << 20)) == 2  # one dtype per bucket
