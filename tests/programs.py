@@ -219,3 +219,17 @@ def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float 
     scale = max(float(p.abs().max()) for p in eager_module.parameters())
     dist.destroy_process_group()
     return {"max_diff": diff, "max_abs": scale, "losses": losses, "buckets": len(opt_c.buckets)}
+
+
+def large_all_reduce(numel: int) -> dict:
+    """A float32 all_reduce of ``numel`` elements, checked element by element against the exact
+    sum (small integers: every partial sum is exact): the count of wrong elements."""
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pattern = torch.arange(numel, dtype=torch.float32).remainder_(1000)
+    t = pattern + rank
+    dist.all_reduce(t)
+    want = pattern * world + sum(range(world))
+    wrong = int((t != want).sum())
+    dist.destroy_process_group()
+    return wrong

@@ -41,3 +41,15 @@ def test_mpirun_without_rank_variables(world):
         pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
     values = _expect(harness.launch_mpi("tests.programs:init_auto", world), world)
     assert [v["env_rank"] for v in values] == [str(r) for r in range(world)]
+
+
+@pytest.mark.mpi
+def test_mpi_all_reduce_larger_than_one_piece_is_exact():
+    """The MPI transport splits an all_reduce above 16 MiB into pieces (MPICH is slow on larger
+    ones); 2 pieces and a ragged tail must still give every element its exact sum."""
+    if harness.mpiexec() is None:
+        pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+    numel = 2 * (16 << 20) // 4 + 1001
+    results = harness.launch_mpi("tests.programs:large_all_reduce", 2, numel=numel)
+    assert harness.values(results) == [0, 0]
+    assert "uses transport mpi" in results[0].output, results[0].output

@@ -26,6 +26,10 @@ def _mpi():
 _MPI_OP = {RedOp.SUM: "SUM", RedOp.PRODUCT: "PROD", RedOp.MIN: "MIN", RedOp.MAX: "MAX",
            RedOp.BAND: "BAND", RedOp.BOR: "BOR", RedOp.BXOR: "BXOR"}
 
+# MPICH (the pip wheel, 2 ranks on one host) reduces up to 16 MiB at 5-6 GB/s of bus bandwidth
+# and larger messages at about 2 (benchmarks/results/2026-11-22-cpu-collectives.md): an
+# all_reduce above this size runs as consecutive pieces of it.
+_ALL_REDUCE_PIECE_BYTES = 16 << 20
 _YIELD_FOR_S = 0.02
 _SLEEP_S = 100e-6
 _world_rank_of_torch_rank: list[int] | None = None
@@ -102,7 +106,11 @@ class MPITransport(Transport):
         return getattr(self._MPI, _MPI_OP[op])
 
     def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
-        self._wait("all_reduce", self.comm.Iallreduce(self._MPI.IN_PLACE, _buf(tensor), self._op(op)))
+        flat = tensor.view(-1)  # the algorithms layer hands transports contiguous tensors
+        step = max(1, _ALL_REDUCE_PIECE_BYTES // max(1, flat.element_size()))
+        for start in range(0, max(1, flat.numel()), step):
+            piece = flat[start : start + step]
+            self._wait("all_reduce", self.comm.Iallreduce(self._MPI.IN_PLACE, _buf(piece), self._op(op)))
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         self._wait("broadcast", self.comm.Ibcast(_buf(tensor), root=root))
