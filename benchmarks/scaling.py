@@ -61,11 +61,13 @@ def run_one(hosts: int, per_host: int, variant: str, rate: str, steps: int, save
     kind, extra, env = VARIANTS[variant]
     script = ["ddp_throughput.py", f"--variant={kind}", f"--steps={steps}", *extra] + (["--save-params", save] if save else [])
     with SimCluster(hosts, rate=rate) as cluster:
-        procs = start_job(cluster, per_host, script, env, launcher)
-        outputs = [p.communicate(timeout=900)[0] for p in procs]
+        try:
+            outputs = cluster.wait_all(start_job(cluster, per_host, script, env, launcher), timeout=900)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{variant} on {hosts}x{per_host}: {exc}") from None
     report = next((json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")), None)
-    if report is None or any(p.returncode for p in procs):
-        raise RuntimeError(f"{variant} on {hosts}x{per_host} failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    if report is None:
+        raise RuntimeError(f"{variant} on {hosts}x{per_host} printed no report:\n" + outputs[0][-3000:])
     # the worker's "hosts" lists each rank's hostname: keep it as rank_hosts beside the count
     return {**report, "hosts": hosts, "per_host": per_host, "name": variant, "launcher": launcher,
             "rank_hosts": report["hosts"]}
@@ -91,10 +93,10 @@ def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str, l
     out = os.path.join(tmp, f"coll-{hosts}x{per_host}-{len(os.listdir(tmp))}.json")
     script = ["collectives.py", "--backends=smddp", "--ops=all_reduce", "-b", "64K", "-e", "16M", "-f", "2", "-n", "20", "-w", "3", "--json", out]
     with SimCluster(hosts, rate=rate) as cluster:
-        procs = start_job(cluster, per_host, script, env, launcher)
-        outputs = [p.communicate(timeout=1200)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"collectives on {hosts}x{per_host} {env} failed:\n" + outputs[0][-3000:])
+        try:
+            cluster.wait_all(start_job(cluster, per_host, script, env, launcher), timeout=1200)
+        except RuntimeError as exc:
+            raise RuntimeError(f"collectives on {hosts}x{per_host} {env}: {exc}") from None
     rows = json.load(open(out))["rows"]
     return [{"hosts": hosts, "per_host": per_host, "algorithm": env["SMDDP_ALGORITHM"],
              "wire": env.get("SMDDP_INTER_NODE_WIRE_DTYPE", "float32"), "bytes": r["size"],

@@ -44,3 +44,22 @@ def test_cluster_refuses_without_root(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(PermissionError, match="needs root"):
         SimCluster(2)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
+def test_one_failing_host_ends_the_job_with_its_output():
+    # host 1 fails at once while host 0 would wait 10 minutes, as torchrun waits for a host that
+    # never joins its rendezvous: the job must end within the grace period, naming both hosts
+    import time
+
+    from benchmarks.multinode.cluster import SimCluster
+
+    with SimCluster(2) as cluster:
+        out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs = [cluster.spawn(0, ["sleep", "600"], **out),
+                 cluster.spawn(1, ["sh", "-c", "echo rendezvous refused on $(hostname); exit 3"], **out)]
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="host 1: 3") as err:
+            cluster.wait_all(procs, timeout=300, grace=1.0)
+    assert time.monotonic() - start < 30
+    assert "rendezvous refused on sim-host-1" in str(err.value) and "host 0: -9" in str(err.value)

@@ -24,6 +24,8 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
+import time
 
 ENTER_HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "enter-host.sh")
 
@@ -124,6 +126,43 @@ class SimCluster:
                                 start_new_session=True, **popen)
         self.procs.append(proc)
         return proc
+
+    def wait_all(self, procs: list[subprocess.Popen], timeout: float, grace: float = 20.0) -> list[str]:
+        """Wait for ``procs`` (started with stdout piped, text mode) and return their outputs.
+
+        One host's job failing must not leave the others waiting in a rendezvous or a collective
+        for many minutes (torchrun waits 10 minutes for a host that never joins): once one process
+        exits non-zero, the rest get ``grace`` seconds to end on their own, then are killed, and
+        RuntimeError carries every host's output. Also raised after ``timeout`` seconds."""
+        outputs = [""] * len(procs)
+
+        def drain(i: int) -> None:  # read each pipe on its own thread: a full pipe would block its writer
+            outputs[i] = procs[i].stdout.read()
+
+        readers = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(len(procs))]
+        for t in readers:
+            t.start()
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            failed = any(p.poll() not in (None, 0) for p in procs)
+            if failed:
+                deadline = min(deadline, time.monotonic() + grace)
+            if time.monotonic() > deadline:
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                break
+            time.sleep(0.1)
+        for p in procs:
+            p.wait()
+        for t in readers:
+            t.join(timeout=10)
+        if any(p.returncode for p in procs):
+            codes = ", ".join(f"host {i}: {p.returncode}" for i, p in enumerate(procs))
+            raise RuntimeError(f"job failed ({codes}; -9: killed after another host failed or at the "
+                               f"{timeout:.0f} s limit):\n" + "\n".join(
+                                   f"--- host {i} ---\n{o[-3000:]}" for i, o in enumerate(outputs)))
+        return outputs
 
     def mpiexec(self, per_host: int, argv: list[str], env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
         """Start ``argv`` as an MPI job of ``per_host`` ranks on every host, launched as on a real
