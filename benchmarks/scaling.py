@@ -32,6 +32,9 @@ VARIANTS = {  # name: (ddp_throughput --variant, extra arguments, environment)
     "smddp-flat": ("smddp", [], {"SMDDP_ALGORITHM": "flat"}),
     "smddp-hier": ("smddp", [], {"SMDDP_ALGORITHM": "auto"}),
     "smddp-hier-bf16": ("smddp", [], {"SMDDP_ALGORITHM": "auto", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}),
+    # partial sums rounded to bfloat16 on every hop of gloo's ring (the same as above on 2 hosts)
+    "smddp-hier-bf16-wire-sums": ("smddp", [], {"SMDDP_ALGORITHM": "auto", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16",
+                                                "SMDDP_INTER_NODE_ACCUMULATE": "wire"}),
     "smddp-compiled-bf16": ("smddp-compiled", ["--wire-dtype", "bfloat16"], {"SMDDP_ALGORITHM": "auto"}),
 }
 
@@ -55,16 +58,29 @@ def start_job(cluster: SimCluster, per_host: int, script: list[str], env: dict, 
     return procs
 
 
+def run_job(hosts: int, per_host: int, script: list[str], env: dict, rate: str, launcher: str, timeout: float,
+            what: str, tries: int = 2) -> list[str]:
+    """Run ``script`` on ``hosts`` fresh simulated hosts; returns each host's output. A failed
+    job is run again once on a fresh cluster, saying why on stderr: torch's own gloo sometimes
+    aborts a rank while the process group is torn down, after the measurement (2026-11-23,
+    "terminate called without an active exception" once in 16 runs), and a half-finished run
+    must not end a sweep of many. A second failure raises."""
+    for attempt in range(1, tries + 1):
+        try:
+            with SimCluster(hosts, rate=rate) as cluster:
+                return cluster.wait_all(start_job(cluster, per_host, script, env, launcher), timeout=timeout)
+        except RuntimeError as exc:
+            failure = f"{what}: {exc}"
+            print(f"attempt {attempt} of {tries} failed: {failure.splitlines()[0]}", file=sys.stderr, flush=True)
+    raise RuntimeError(failure)
+
+
 def run_one(hosts: int, per_host: int, variant: str, rate: str, steps: int, save: str | None,
             launcher: str = "torchrun") -> dict:
     """One training job on ``hosts`` fresh simulated hosts; returns rank 0's JSON report."""
     kind, extra, env = VARIANTS[variant]
     script = ["ddp_throughput.py", f"--variant={kind}", f"--steps={steps}", *extra] + (["--save-params", save] if save else [])
-    with SimCluster(hosts, rate=rate) as cluster:
-        try:
-            outputs = cluster.wait_all(start_job(cluster, per_host, script, env, launcher), timeout=900)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{variant} on {hosts}x{per_host}: {exc}") from None
+    outputs = run_job(hosts, per_host, script, env, rate, launcher, 900, f"{variant} on {hosts}x{per_host}")
     report = next((json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")), None)
     if report is None:
         raise RuntimeError(f"{variant} on {hosts}x{per_host} printed no report:\n" + outputs[0][-3000:])
@@ -92,11 +108,7 @@ def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str, l
     """all_reduce timings (benchmarks/collectives.py, smddp only) on a fresh simulated cluster."""
     out = os.path.join(tmp, f"coll-{hosts}x{per_host}-{len(os.listdir(tmp))}.json")
     script = ["collectives.py", "--backends=smddp", "--ops=all_reduce", "-b", "64K", "-e", "16M", "-f", "2", "-n", "20", "-w", "3", "--json", out]
-    with SimCluster(hosts, rate=rate) as cluster:
-        try:
-            cluster.wait_all(start_job(cluster, per_host, script, env, launcher), timeout=1200)
-        except RuntimeError as exc:
-            raise RuntimeError(f"collectives on {hosts}x{per_host} {env}: {exc}") from None
+    run_job(hosts, per_host, script, env, rate, launcher, 1200, f"collectives on {hosts}x{per_host} {env}")
     rows = json.load(open(out))["rows"]
     return [{"hosts": hosts, "per_host": per_host, "algorithm": env["SMDDP_ALGORITHM"],
              "wire": env.get("SMDDP_INTER_NODE_WIRE_DTYPE", "float32"), "bytes": r["size"],

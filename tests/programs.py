@@ -233,3 +233,14 @@ def large_all_reduce(numel: int) -> dict:
     wrong = int((t != want).sum())
     dist.destroy_process_group()
     return wrong
+
+
+def wire_rounding(numel: int = 4096) -> list[float]:
+    """One all_reduce whose bfloat16 partial sums round differently from its float32 sum: rank 0
+    gives 1, every other rank 2**-8 (with 3 ranks: 1 + 2**-8 is a tie that rounds back to 1 in
+    bfloat16, while the float32 sum 1 + 2**-7 is exact in it). Returns the distinct results."""
+    smddp_lite.init()
+    t = torch.full((numel,), 1.0 if dist.get_rank() == 0 else 2.0**-8)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return sorted(set(t.tolist()))

@@ -24,6 +24,7 @@ def test_unknown_variable_is_named_with_the_known_ones():
     ({"SMDDP_DEBUG": "maybe"}, "not a boolean"),
     ({"SMDDP_SHM_CHUNK_BYTES": "100"}, "multiple of 64"),
     ({"SMDDP_SHM_CHUNK_BYTES": "lots"}, "not an integer"),
+    ({"SMDDP_INTER_NODE_ACCUMULATE": "bf16"}, "expected one of float32, wire"),
 ])
 def test_bad_values_say_what_is_expected(env, words):
     with pytest.raises(ValueError, match=words):

@@ -28,6 +28,9 @@ TRANSPORTS = [
     ("hier-interleaved", (4,), "smddp", HIER, "env"),  # ranks 0, 2 on one host: reordering paths
     ("hier-one-per-host", (2, 3), "smddp", {**HIER, "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16",
                                             "SMDDP_HIERARCHICAL_CHUNK_BYTES": "1048576"}, "env"),
+    # more than two hosts summing in the wire dtype on gloo's ring (SMDDP_INTER_NODE_ACCUMULATE)
+    ("hier-one-per-host-wire-sums", (3,), "smddp", {**HIER, "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16",
+                                                    "SMDDP_INTER_NODE_ACCUMULATE": "wire"}, "env"),
     ("local", (1,), "smddp", {}, "env"),
     ("shm", (2, 3), "smddp", {"SMDDP_TRANSPORT": "shm"}, "env"),
     ("gloo", (2, 3), "smddp", {"SMDDP_TRANSPORT": "gloo"}, "env"),
@@ -65,7 +68,8 @@ def _job(name: str, world: int, backend: str, env_items: tuple, launcher: str):
     if launcher == "mpi":
         results = harness.launch_mpi("tests.conformance:run", world, env=env, backend=backend, timeout=600)
     else:  # hierarchical runs see hosts of 2 ranks, all on this machine
-        layouts = {"hier-interleaved": {"interleaved_hosts": 2}, "hier-one-per-host": {"hosts_of": 1}}
+        layouts = {"hier-interleaved": {"interleaved_hosts": 2}, "hier-one-per-host": {"hosts_of": 1},
+                   "hier-one-per-host-wire-sums": {"hosts_of": 1}}
         layout = layouts.get(name, {"hosts_of": 2} if name.startswith("hier") else {})
         device = "cuda" if name in ON_CUDA else "cpu"
         results = harness.launch("tests.conformance:run", world, env=env, backend=backend, device=device,

@@ -63,3 +63,20 @@ def test_one_failing_host_ends_the_job_with_its_output():
             cluster.wait_all(procs, timeout=300, grace=1.0)
     assert time.monotonic() - start < 30
     assert "rendezvous refused on sim-host-1" in str(err.value) and "host 0: -9" in str(err.value)
+
+
+@pytest.mark.parametrize("accumulate", ["float32", "wire"])
+def test_16_bit_sums_between_three_hosts_round_as_configured(accumulate):
+    from . import harness
+
+    env = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16",
+           "SMDDP_INTER_NODE_ACCUMULATE": accumulate}
+    results = harness.values(harness.launch("tests.programs:wire_rounding", 3, env=env, hosts_of=1))
+    exact = 1 + 2.0**-7  # 1 + 2**-8 + 2**-8, one bfloat16 step above 1
+    for got in results:
+        if accumulate == "float32":  # summed in float32 and rounded once: exact on every rank
+            assert got == [exact]
+        else:  # where gloo's ring adds 2**-8 to 1 first, that partial sum rounds back to 1 on its
+            # hop: one step lost there, never more (and the setting visibly takes effect)
+            assert set(got) == {1.0, exact}
+    assert all(r == results[0] for r in results), "every rank must hold the same sums"

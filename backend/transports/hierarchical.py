@@ -17,7 +17,9 @@ DDP on a 21 MB model): 172 ms per step with one inter-host step at a time, 156 m
 
 Between hosts, a floating-point SUM can travel as bfloat16/float16: the shard is exchanged in
 the wire dtype with an all-to-all, each rank sums its slice in float32, and the sums travel
-back in the wire dtype. A 16-bit input (the compiled step's wire dtype) takes that path in its
+back in the wire dtype (between two hosts gloo's ring does the same in one addition; with
+``inter_node_accumulate="wire"`` it also serves more hosts, rounding on every hop, which is
+faster because the all-to-all's flows into one host overrun its link). A 16-bit input (the compiled step's wire dtype) takes that path in its
 own dtype, so gradients stay 16-bit on the network and are still accumulated in float32. The
 sums come back from the network already rounded to the wire dtype, so the all-gather inside the
 host moves them in that dtype too (half the bytes through shared memory, the same bits) and
@@ -72,6 +74,7 @@ class HierarchicalTransport(Transport):
         self.chunk_bytes = config.hierarchical_chunk_bytes
         self.always = config.algorithm == "hierarchical"
         self.wire = getattr(torch, config.inter_node_wire_dtype) if config.inter_node_wire_dtype else None
+        self.exact_16bit_sums = config.inter_node_accumulate == "float32"
         self.debug = config.debug
         self.intra = intra_factory(dist.PrefixStore(f"intra{self.node}", store), self.local_rank, self.per_node)
         self.inter = GlooTransport(dist.PrefixStore(f"inter{self.local_rank}", store), self.node, self.nodes, timeout)
@@ -135,12 +138,13 @@ class HierarchicalTransport(Transport):
         floating = shard.dtype.is_floating_point
         wire = self.wire if shard.dtype not in LOW_PRECISION else shard.dtype
         if op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
-            if self.nodes > 2:
+            if self.nodes > 2 and self.exact_16bit_sums:
                 return self._start_compressed_sum(shard, wire)
             # two hosts: one addition per element, which gloo's own ring rounds to the wire dtype
             # once, exactly as a float32 sum rounded at the end; and its ring pipelines sending
             # with adding, where the all-to-all + all-gather of _start_compressed_sum run as two
-            # exposed phases (2 simulated hosts x 2 ranks, 1 Gbit/s: 16 MiB in 96 ms against 125 ms)
+            # exposed phases (2 simulated hosts x 2 ranks, 1 Gbit/s: 16 MiB in 96 ms against 125 ms).
+            # More hosts with inter_node_accumulate="wire": the same ring, rounding on every hop.
             on_wire = shard if shard.dtype == wire else shard.to(wire)
         elif shard.dtype in LOW_PRECISION:  # gloo alone would sum 16-bit floats in 16 bits at every hop
             on_wire = shard.float()
