@@ -132,14 +132,19 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 from .cuda.nccl_path import NeedsStaging
 
                 raise NeedsStaging(op)
-            return nccl(self._cuda.nccl)
+            with torch.no_grad():  # see run() below
+                return nccl(self._cuda.nccl)
 
         def run() -> None:
             if self._failure is not None:
                 raise SMDDPError(self._failure)
             self.transport.call_index = call
             try:
-                body()
+                # collectives write tensors' data outside autograd, as torch's own backends do: a
+                # parameter (a leaf that requires grad) may be all-reduced or broadcast by hand,
+                # and grad mode is per thread, on by default on the communication thread
+                with torch.no_grad():
+                    body()
             except dist.DistBackendError as exc:
                 self._failure = f"{where(self.rank(), self.size(), op)} an earlier collective failed: {exc}"
                 raise

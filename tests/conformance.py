@@ -169,6 +169,28 @@ def case_async_pipeline(rank, world):
     return _mismatch(chained.wait(), tensors[-1] * 2)
 
 
+def case_autograd_leaf(rank, world, op):
+    """Parameters (leaves that require grad) go through collectives as plain tensors do, as with
+    torch's own backends: a script that averages or broadcasts its parameters by hand."""
+    param = torch.nn.Parameter(on_device(seeded((257,), rank, torch.float32, "avg")))
+    if op == "all_reduce_avg":
+        dist.all_reduce(param, op=dist.ReduceOp.AVG)
+        want = expected_reduction((257,), torch.float32, "avg", range(world))
+    elif op == "all_reduce_sum":
+        dist.all_reduce(param)
+        want = sum(seeded((257,), r, torch.float32, "avg") for r in range(world))
+    elif op == "broadcast":
+        dist.broadcast(param, src=world - 1)
+        want = seeded((257,), world - 1, torch.float32, "avg")
+    else:  # all_gather_into_tensor from a parameter
+        out = empty((world * 257,), torch.float32)
+        dist.all_gather_into_tensor(out, param)
+        return _mismatch(out, torch.cat([seeded((257,), r, torch.float32, "avg") for r in range(world)]))
+    if not (param.requires_grad and param.is_leaf):
+        return "the parameter stopped being a leaf that requires grad"
+    return _mismatch(param.detach(), want)
+
+
 def case_barrier(rank, world):
     for _ in range(3):
         dist.barrier()
@@ -207,6 +229,8 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
         yield "all_reduce", f"async-sum-{dn}", case_all_reduce, dict(shape=(257,), dtype=dtype, redop="sum", async_op=True)
         yield "all_reduce", f"non_contiguous-{dn}", case_all_reduce, dict(
             shape=(1823, 781), dtype=dtype, redop="max", non_contiguous=True)
+    for op in ("all_reduce_sum", "all_reduce_avg", "broadcast", "all_gather"):
+        yield "autograd", f"leaf-{op}", case_autograd_leaf, dict(op=op)
     yield "async", "pipeline", case_async_pipeline, {}
     yield "barrier", "three", case_barrier, {}
     yield "subgroup", "odd_even", case_subgroup, {}

@@ -56,15 +56,17 @@ class StagedPath:
                         self.blocking)
 
         def copy_back(done: torch.futures.Future) -> None:
+            # everything inside the try: an error raised in a then() callback would otherwise only
+            # reach the future it returns, which nobody reads, and wait() would hang until timeout
             try:
                 done.wait()  # raises the CPU collective's error
+                # no_grad: outputs may be parameters; grad mode is on by default in this thread
+                with torch.no_grad(), torch.cuda.device(device), torch.cuda.stream(stream):
+                    for host, cuda in pairs:  # the pinned allocator keeps each host copy until its copy ends
+                        cuda.copy_(host, non_blocking=True)
+                    work.enqueued(stream)
             except Exception as exc:
                 work.fail(exc)
-                return
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                for host, cuda in pairs:  # the pinned allocator keeps each host copy until its copy ends
-                    cuda.copy_(host, non_blocking=True)
-                work.enqueued(stream)
 
         cpu_work.get_future().then(copy_back)
         return work

@@ -45,6 +45,7 @@ def world_ranks(global_ranks: list[int]) -> list[int]:
 def _buf(t: torch.Tensor):
     """A numpy view of ``t`` for mpi4py. bfloat16 has no numpy (or MPI) type; it only reaches this
     transport in data-movement ops, where its bits travel as int16."""
+    t = t.detach()  # numpy() refuses tensors that require grad (parameters); the memory is the same
     return (t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()
 
 
