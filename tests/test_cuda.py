@@ -99,6 +99,7 @@ class _InFlight:
 
     def __init__(self, describe: str, age_s: float, timeout_s: float, ended: bool = False) -> None:
         self.describe, self.timeout_s, self.error = describe, timeout_s, None
+        self.device = -1  # torch.cuda.device(-1) changes nothing, on a machine without CUDA too
         self.started = time.monotonic() - age_s
         self._ended = ended
 
@@ -149,6 +150,34 @@ def test_watchdog_turns_an_async_nccl_error_into_a_failure_naming_it():
     dog.poll()
     assert "NCCL_ERROR_REMOTE_ERROR" in events[0] and events[-1] == "abort"
     assert "NCCL_ERROR_REMOTE_ERROR" in str(work.error)
+
+
+def test_watchdog_fail_all_aborts_and_fails_what_is_in_flight():
+    # a launch NCCL refuses: what was enqueued before it must not end "successfully" on aborted comms
+    dog, events = _watchdog()
+    earlier = _InFlight("[smddp rank 0/2 host h] all_reduce:", 0.1, 10)
+    dog.track(earlier)
+    dog.fail_all("[smddp rank 0/2 host h] broadcast: NCCL failed: NCCL_ERROR_INVALID_ARGUMENT")
+    assert events == ["[smddp rank 0/2 host h] broadcast: NCCL failed: NCCL_ERROR_INVALID_ARGUMENT", "abort"]
+    assert "NCCL_ERROR_INVALID_ARGUMENT" in str(earlier.error) and dog.in_flight() == 0
+
+
+def test_watchdog_thread_fails_the_group_when_its_own_check_raises():
+    # a sticky CUDA error reaches the watchdog's thread too: it must fail the group, not die quietly
+    failed = threading.Event()
+
+    class Broken(_InFlight):
+        def ended(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    dog = Watchdog("broken", lambda: None, lambda: None, lambda reason: failed.set())
+    try:
+        work = Broken("[smddp rank 0/2 host h] all_reduce:", 0.0, 60)
+        dog.track(work)
+        assert failed.wait(2), "the watchdog did not fail the group"
+        assert "illegal memory access" in str(work.error)
+    finally:
+        dog.stop()
 
 
 def test_watchdog_thread_polls_on_its_own():

@@ -9,6 +9,8 @@ so ranks that use different device indices (rank r on cuda:r) still meet under o
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..errors import SMDDPError, where
@@ -27,6 +29,7 @@ NCCL_DTYPE_NAMES = {
 NCCL_OP_NAMES = {RedOp.SUM: "NCCL_SUM", RedOp.PRODUCT: "NCCL_PROD", RedOp.MIN: "NCCL_MIN",
                  RedOp.MAX: "NCCL_MAX", RedOp.AVG: "NCCL_AVG"}
 NCCL_AVG_VERSION = 21000  # ncclAvg arrived in NCCL 2.10
+NCCL_BF16_VERSION = 21000  # so did ncclBfloat16; cupy defines the constant whatever NCCL it loads
 
 
 def load_nccl():
@@ -78,6 +81,10 @@ class Communicators:
         self.rank, self.world_size = rank, world_size
         self.by_device: dict[int, object] = {}
         self.version = nccl.get_version()
+        # the watchdog thread checks for asynchronous errors while a failing call may abort: cupy
+        # frees a communicator's handle on abort, so the two never overlap (as ProcessGroupNCCL
+        # guards ncclCommGetAsyncError and ncclCommAbort with one mutex per communicator)
+        self._handles = threading.Lock()
 
     def get(self, device: torch.device):
         comm = self.by_device.get(device.index)
@@ -106,15 +113,18 @@ class Communicators:
                                  f"communicator on {device} failed: {exc}") from exc
 
     def check_async_errors(self) -> None:
-        for comm in list(self.by_device.values()):
-            comm.check_async_error()
+        with self._handles:
+            for comm in list(self.by_device.values()):
+                comm.check_async_error()
 
     def abort(self) -> None:
-        comms, self.by_device = list(self.by_device.values()), {}
-        for comm in comms:
-            comm.abort()
+        with self._handles:
+            comms, self.by_device = list(self.by_device.values()), {}
+            for comm in comms:
+                comm.abort()
 
     def destroy(self) -> None:
-        comms, self.by_device = list(self.by_device.values()), {}
-        for comm in comms:
-            comm.destroy()
+        with self._handles:
+            comms, self.by_device = list(self.by_device.values()), {}
+            for comm in comms:
+                comm.destroy()

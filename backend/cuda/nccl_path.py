@@ -23,7 +23,7 @@ import torch
 
 from ..errors import SMDDPError, where
 from ..ops import BITWISE_OPS, FLOATS, RedOp
-from .communicators import (NCCL_AVG_VERSION, NCCL_DTYPE_NAMES, NCCL_OP_NAMES, Communicators,
+from .communicators import (NCCL_AVG_VERSION, NCCL_BF16_VERSION, NCCL_DTYPE_NAMES, NCCL_OP_NAMES, Communicators,
                             nccl_version_string)
 from .environment import efa_devices, find_net_plugin, network_report
 from .watchdog import Watchdog
@@ -54,9 +54,9 @@ class NcclPath:
         self.avg_native = self.comms.version >= NCCL_AVG_VERSION
         self.streams: dict[int, torch.cuda.Stream] = {}
         self.last_device: torch.device | None = None
-        self._on_failure = on_failure
         self.watchdog = Watchdog(f"r{rank}", self.comms.check_async_errors, self.comms.abort, on_failure)
-        self._dtype = {dt: getattr(nccl, name) for dt, name in NCCL_DTYPE_NAMES.items() if hasattr(nccl, name)}
+        self._dtype = {dt: getattr(nccl, name) for dt, name in NCCL_DTYPE_NAMES.items() if hasattr(nccl, name)
+                       and (dt is not torch.bfloat16 or self.comms.version >= NCCL_BF16_VERSION)}  # else: staged
         self._op = {op: getattr(nccl, name) for op, name in NCCL_OP_NAMES.items() if hasattr(nccl, name)}
 
     # the one path every call takes -------------------------------------------------------------
@@ -74,8 +74,7 @@ class NcclPath:
             run_on_stream(stream, touched, lambda: enqueue(comm, stream.cuda_stream))
         except Exception as exc:  # NcclError: NCCL's own text, e.g. "NCCL_ERROR_INVALID_ARGUMENT: ..."
             reason = f"{describe} NCCL failed: {exc}"
-            self._on_failure(reason)
-            self.comms.abort()
+            self.watchdog.fail_all(reason)  # aborts, and fails what was enqueued before this call
             raise SMDDPError(reason) from exc
         work.keep = touched
         work.enqueued(stream)

@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Callable
 
+import torch
+
 from ..errors import PeerFailureError
 from .work import CudaWork
 
@@ -55,7 +57,21 @@ class Watchdog:
 
     def _loop(self) -> None:
         while not self._stop.wait(POLL_S):
-            self.poll()
+            try:
+                self.poll()
+            except Exception as exc:  # e.g. a sticky CUDA error, which reaches every thread
+                try:  # fail the group rather than let its timeouts and aborts go quiet
+                    self.fail_all(f"the watchdog could not check the collectives in flight: {exc}")
+                except Exception:
+                    log.exception("smddp: the watchdog could not abort the group's communicators")
+
+    def fail_all(self, reason: str) -> None:
+        """Abort the group's communicators and fail every collective in flight with ``reason``:
+        the watchdog's own verdicts, and a launch that NCCL refused (the collectives enqueued
+        before it would otherwise end "successfully" on aborted communicators)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        self._fail(reason, pending)
 
     def poll(self) -> None:
         """One round: release ended collectives, fail everything on an error or a timeout."""
@@ -71,7 +87,11 @@ class Watchdog:
         still = []
         now = time.monotonic()
         for work in pending:
-            if work.error is not None or work.ended():
+            # the event's device made current: a thread starts on device 0, and a CUDA call there
+            # would give every rank a context (hundreds of MiB) on the first GPU
+            with torch.cuda.device(work.device):
+                ended = work.error is not None or work.ended()
+            if ended:
                 work.keep = []  # done: drop the references that kept its tensors alive
                 continue
             if reason is None and now - work.started > work.timeout_s:

@@ -53,6 +53,7 @@ class CudaWork(dist._Work):
         self.error: BaseException | None = None
         self._host_done = threading.Event()  # set once the host-side part (if any) has finished
         self._future: torch.futures.Future | None = None  # made on request: most callers only wait()
+        self._future_claimed = False  # someone has completed (or is completing) the future
         self._lock = threading.Lock()
 
     # completion ---------------------------------------------------------------------------------
@@ -63,17 +64,28 @@ class CudaWork(dist._Work):
         self.end.record(stream)
         with self._lock:
             self._host_done.set()
-            if self._future is not None:
-                self._complete_future()
+            future = self._claim_future()
+        if future is not None:
+            self._complete_future(future)
 
     def fail(self, error: BaseException) -> None:
         """The collective failed or was aborted (watchdog, a host-side step)."""
         with self._lock:
             if self.error is None:
                 self.error = error
-            if self._future is not None and not self._future.done():
-                self._future.set_exception(as_backend_error(error))
+            future = self._claim_future()
+        if future is not None:
+            future.set_exception(as_backend_error(self.error))
         self._host_done.set()
+
+    def _claim_future(self) -> torch.futures.Future | None:
+        """The future, if it exists and nobody has completed it yet; the caller (holding the
+        lock) completes it after releasing the lock, because completing it runs the ``then``
+        callbacks inline, and one that touched this work again would deadlock on the lock."""
+        if self._future is None or self._future_claimed:
+            return None
+        self._future_claimed = True
+        return self._future
 
     def ended(self) -> bool:
         """True once the device has passed the collective's end (never blocks)."""
@@ -115,19 +127,22 @@ class CudaWork(dist._Work):
         with self._lock:
             if self._future is None:
                 self._future = torch.futures.Future(devices=[self.device])
-                if self.error is not None:
-                    self._future.set_exception(as_backend_error(self.error))
-                elif self._host_done.is_set():
-                    self._complete_future()
-            return self._future
+            future = self._future
+            ready = self._claim_future() if self.error is not None or self._host_done.is_set() else None
+        if ready is not None:
+            if self.error is not None:
+                ready.set_exception(as_backend_error(self.error))
+            else:
+                self._complete_future(ready)
+        return future
 
-    def _complete_future(self) -> None:
+    def _complete_future(self, future: torch.futures.Future) -> None:
         # set_result records an event on the current stream: make that a stream of its own that
         # waits for the end event, so neither the caller's stream nor later collectives wait
         stream = _future_stream(self.device)
         stream.wait_event(self.end)
         with torch.cuda.stream(stream):
-            self._future.set_result(self.outputs)
+            future.set_result(self.outputs)
 
     # helpers ------------------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
