@@ -71,7 +71,7 @@ def run_job(hosts: int, per_host: int, script: list[str], env: dict, rate: str, 
                 return cluster.wait_all(start_job(cluster, per_host, script, env, launcher), timeout=timeout)
         except RuntimeError as exc:
             failure = f"{what}: {exc}"
-            print(f"attempt {attempt} of {tries} failed: {failure.splitlines()[0]}", file=sys.stderr, flush=True)
+            print(f"attempt {attempt} of {tries} failed: {failure}", file=sys.stderr, flush=True)
     raise RuntimeError(failure)
 
 
