@@ -104,15 +104,18 @@ COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment); the cost mo
 ]
 
 
-def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str, launcher: str = "torchrun") -> list[dict]:
-    """all_reduce timings (benchmarks/collectives.py, smddp only) on a fresh simulated cluster."""
+def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str, launcher: str = "torchrun",
+                    sizes: tuple[str, str] = ("64K", "16M")) -> list[dict]:
+    """all_reduce timings (benchmarks/collectives.py, smddp only) on a fresh simulated cluster,
+    for message sizes from ``sizes[0]`` to ``sizes[1]`` bytes in steps of 2x."""
     out = os.path.join(tmp, f"coll-{hosts}x{per_host}-{len(os.listdir(tmp))}.json")
-    script = ["collectives.py", "--backends=smddp", "--ops=all_reduce", "-b", "64K", "-e", "16M", "-f", "2", "-n", "20", "-w", "3", "--json", out]
+    script = ["collectives.py", "--backends=smddp", "--ops=all_reduce", "-b", sizes[0], "-e", sizes[1], "-f", "2",
+              "-n", "20", "-w", "3", "--json", out]
     run_job(hosts, per_host, script, env, rate, launcher, 1200, f"collectives on {hosts}x{per_host} {env}")
     rows = json.load(open(out))["rows"]
     return [{"hosts": hosts, "per_host": per_host, "algorithm": env["SMDDP_ALGORITHM"],
              "wire": env.get("SMDDP_INTER_NODE_WIRE_DTYPE", "float32"), "bytes": r["size"],
-             "time_s": r["out_of_place"]["time_us"] * 1e-6} for r in rows]
+             "time_s": r["out_of_place"]["time_us"] * 1e-6, "env": env} for r in rows]
 
 
 def median_runs(runs: list[dict]) -> list[dict]:
@@ -191,18 +194,34 @@ def main() -> None:
                         help="one torchrun per host (multi-node rendezvous), or mpiexec with a host list")
     parser.add_argument("--quick", action="store_true", help="2 hosts x 1 rank, smddp only, 2 steps; no files")
     parser.add_argument("--collectives", action="store_true",
-                        help="instead: time all_reduce on the cost model's configurations, write OUT.json")
+                        help="instead: time all_reduce on the cost model's configurations (those with --hosts and "
+                             "--per-host), write OUT.json")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="--collectives: also set this SMDDP_* variable in every run (repeatable)")
+    parser.add_argument("--min-bytes", default="64K", help="--collectives: smallest message (suffixes K, M)")
+    parser.add_argument("--max-bytes", default="16M", help="--collectives: largest message")
     args = parser.parse_args()
     if args.collectives:
+        hosts, per_host = set(map(int, args.hosts.split(","))), set(map(int, args.per_host.split(",")))
+        extra = dict(kv.split("=", 1) for kv in args.env)
+        runs = [(h, p, {**env, **extra}) for h, p, env in COLLECTIVE_RUNS if h in hosts and p in per_host]
         with tempfile.TemporaryDirectory() as tmp:
             rows = []
             for rep in range(args.repeat):  # every configuration once per round: drifts hit each alike
-                for h, p, env in COLLECTIVE_RUNS:
-                    rows += [{**r, "round": rep} for r in run_collectives(h, p, env, args.rate, tmp, args.launcher)]
+                for h, p, env in runs:
+                    rows += [{**r, "round": rep} for r in run_collectives(h, p, env, args.rate, tmp, args.launcher,
+                                                                          (args.min_bytes, args.max_bytes))]
                     print(f"round {rep}: {h} x {p} {env}", flush=True)
         with open(args.out + ".json", "w") as f:
             # every simulated host shares this machine's cores: the cost model's contention term
             json.dump({"rate": args.rate, "cores": os.cpu_count(), "rounds": args.repeat, "rows": rows}, f, indent=1)
+        for h, p, env in runs:  # each size's median over the rounds
+            times = {}
+            for r in rows:
+                if (r["hosts"], r["per_host"], r["env"]) == (h, p, env):
+                    times.setdefault(r["bytes"], []).append(r["time_s"])
+            cells = ", ".join(f"{b >> 10} KiB {1e3 * sorted(t)[(len(t) - 1) // 2]:.1f} ms" for b, t in sorted(times.items()))
+            print(f"{h} x {p} {env}: {cells}")
         print(f"wrote {args.out}.json ({len(rows)} measurements)")
         return
     if args.quick:

@@ -71,8 +71,8 @@ class BackendConfig:
     of every value in float32 and rounds it to the wire dtype once (an all-to-all, then an
     all-gather of the sums). "wire": gloo's ring in the wire dtype, which rounds each partial
     sum on each of its N-1 hops, as NCCL and torch's fp16 compression hook do: the error grows
-    with the host count, the speed is the ring's (4 simulated hosts, 1 Gbit/s, 16 MiB: 110 ms
-    for 1 rank per host and 120 ms for 2, against 125 and 155 ms with "float32"). Between two
+    with the host count, the speed is the ring's (4 simulated hosts, 1 Gbit/s, 16 MiB: 119 ms
+    for 1 rank per host and 117 ms for 2, against 134 and 144 ms with "float32"). Between two
     hosts both are one addition, rounded once. Env: ``SMDDP_INTER_NODE_ACCUMULATE``."""
 
     hostname: str | None = None

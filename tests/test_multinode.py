@@ -80,3 +80,19 @@ def test_16_bit_sums_between_three_hosts_round_as_configured(accumulate):
             # hop: one step lost there, never more (and the setting visibly takes effect)
             assert set(got) == {1.0, exact}
     assert all(r == results[0] for r in results), "every rank must hold the same sums"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
+def test_collectives_sweep_on_chosen_configurations(tmp_path):
+    out = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--collectives", "--hosts", "2", "--per-host", "1",
+                           "--min-bytes", "64K", "--max-bytes", "128K", "--env", "SMDDP_INTER_NODE_ACCUMULATE=wire",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    # the cost model's two 2 x 1 configurations (flat, hierarchical bfloat16), two sizes each
+    assert sorted((r["algorithm"], r["bytes"]) for r in rows) == [
+        ("flat", 65536), ("flat", 131072), ("hierarchical", 65536), ("hierarchical", 131072)]
+    assert all(r["hosts"] == 2 and r["per_host"] == 1 and r["time_s"] > 0 for r in rows)
+    assert all(r["env"]["SMDDP_INTER_NODE_ACCUMULATE"] == "wire" for r in rows)
+    assert "2 x 1" in done.stdout and "64 KiB" in done.stdout
