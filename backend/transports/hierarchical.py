@@ -19,11 +19,11 @@ Between hosts, a floating-point SUM can travel as bfloat16/float16: the shard is
 the wire dtype with an all-to-all, each rank sums its slice in float32, and the sums travel
 back in the wire dtype (between two hosts gloo's ring does the same in one addition; with
 ``inter_node_accumulate="wire"`` it also serves more hosts, rounding on every hop, which is
-faster because the all-to-all's flows into one host overrun its link). A 16-bit input (the compiled step's wire dtype) takes that path in its
-own dtype, so gradients stay 16-bit on the network and are still accumulated in float32. The
-sums come back from the network already rounded to the wire dtype, so the all-gather inside the
-host moves them in that dtype too (half the bytes through shared memory, the same bits) and
-widens them once, into the caller's tensor.
+faster because the all-to-all's flows into one host overrun its link). A 16-bit input (the
+compiled step's wire dtype) takes that path in its own dtype, so gradients stay 16-bit on the
+network and are still accumulated in float32. The sums come back from the network already
+rounded to the wire dtype, so the all-gather inside the host moves them in that dtype too (half
+the bytes through shared memory, the same bits) and widens them once, into the caller's tensor.
 """
 
 from __future__ import annotations
