@@ -59,8 +59,16 @@ def test_cuda_configuration_is_checked():
 
 @pytest.mark.parametrize("uid", [bytes(range(128)), tuple(range(-64, 64)), bytes([255, 0, 128] * 42 + [1, 2])])
 def test_unique_id_survives_the_store(uid):
-    back = decode_unique_id(encode_unique_id(uid))
+    back = decode_unique_id(encode_unique_id(uid), char_is_signed=True)
     assert back == uid and type(back) is type(uid)
+
+
+def test_unique_id_tuple_comes_back_in_the_range_of_the_platforms_char():
+    # cupy < 14 on an Arm host gives 0..255 (unsigned char) and its NcclCommunicator takes only that
+    unsigned = tuple(range(128, 256))
+    assert decode_unique_id(encode_unique_id(unsigned), char_is_signed=False) == unsigned
+    assert decode_unique_id(encode_unique_id(unsigned), char_is_signed=True) == tuple(range(-128, 0))
+    assert decode_unique_id(encode_unique_id(tuple(range(-128, 0))), char_is_signed=False) == unsigned
 
 
 def test_nccl_versions_read_as_released():
@@ -232,3 +240,13 @@ def test_staged_peer_stuck_raises_within_the_timeout():
     results = harness.launch("tests.cuda_programs:peer_stuck", 2, env={"SMDDP_CUDA_TRANSPORT": "staged"}, timeout=60)
     r0 = results[0].value
     assert r0 is not None and r0["error"] is not None and r0["seconds"] < 8, results[0].output[-2000:]
+
+
+@on_gpu
+@needs_cupy
+def test_all_reduce_captured_in_a_cuda_graph_replays():
+    (r,) = harness.values(harness.launch("tests.cuda_programs:graph_capture", 1, env={"SMDDP_CUDA_TRANSPORT": "nccl"}))
+    assert "warm-up" in r["errors"].get("before_warm_up", ""), r
+    for replay in r["replays"]:
+        assert replay["got"] == replay["want"] and replay["all_equal"], r
+    assert r["after"] == r["after_want"], r

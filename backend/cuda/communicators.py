@@ -9,6 +9,7 @@ so ranks that use different device indices (rank r on cuda:r) still meet under o
 
 from __future__ import annotations
 
+import platform
 import threading
 
 import torch
@@ -54,21 +55,29 @@ def nccl_version_string(code: int) -> str:
     return f"{code // 1000}.{code // 100 % 10}.{code % 100}"
 
 
+# Plain C ``char`` is unsigned on these Linux architectures (their ABIs say so) and signed on
+# x86. cupy < 14 hands the unique id over as a tuple of C chars, so its numbers are -128..127 on
+# x86 but 0..255 on an Arm host (GH200, Graviton), and NcclCommunicator refuses the other range.
+UNSIGNED_CHAR_MACHINES = frozenset({"aarch64", "arm64", "armv7l", "armv8l", "ppc64", "ppc64le", "s390x"})
+CHAR_IS_SIGNED = platform.machine().lower() not in UNSIGNED_CHAR_MACHINES
+
+
 def encode_unique_id(uid) -> bytes:
     """A unique id from ``nccl.get_unique_id()`` as bytes for the store: cupy >= 14 returns
-    bytes, older releases a tuple of 128 signed chars."""
+    bytes, older releases a tuple of 128 C chars (signed or not, as the platform's char is)."""
     if isinstance(uid, (bytes, bytearray)):
         return b"B" + bytes(uid)
     return b"T" + bytes(b & 0xFF for b in uid)
 
 
-def decode_unique_id(data: bytes):
-    """The object ``NcclCommunicator`` takes, from ``encode_unique_id``'s bytes."""
+def decode_unique_id(data: bytes, char_is_signed: bool = CHAR_IS_SIGNED):
+    """The object ``NcclCommunicator`` takes, from ``encode_unique_id``'s bytes: a tuple in the
+    range of this platform's C char when the id came as one (cupy < 14)."""
     kind, raw = data[:1], data[1:]
     if kind == b"B":
         return bytes(raw)
     if kind == b"T":
-        return tuple(b - 256 if b > 127 else b for b in raw)
+        return tuple(b - 256 if char_is_signed and b > 127 else b for b in raw)
     raise ValueError(f"not an encoded NCCL unique id (starts with {kind!r})")
 
 
