@@ -108,3 +108,47 @@ def peer_stuck() -> dict:
     else:
         time.sleep(8)
     return {"error": error, "seconds": time.monotonic() - start}
+
+
+def graph_capture() -> dict:
+    """An all_reduce captured into a CUDA graph with the kernels around it (as with torch's nccl):
+    a first capture before any warm-up is refused clearly; after one eager call, each replay
+    reduces what the graph's own kernel wrote. An eager collective stays in flight through the
+    whole capture, so the watchdog queries its event meanwhile: in CUDA's default (global) capture
+    mode that query would invalidate the capture unless the watchdog's thread is thread-local."""
+    device = _device()
+    smddp_lite.init()
+    world = dist.get_world_size()
+    static = torch.zeros(1 << 16, device=device)
+    errors = {}
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            dist.all_reduce(static)
+    except Exception as exc:  # noqa: BLE001 (the message is what is checked)
+        errors["before_warm_up"] = f"{type(exc).__name__}: {exc}"
+    dist.all_reduce(torch.ones(4, device=device))  # warm-up: communicator and stream exist now
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s on the current stream, which the capture does not wait for
+    pending = dist.all_reduce(torch.ones(4, device=device), async_op=True)  # in flight during the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        static.mul_(2)
+        dist.all_reduce(static)
+        time.sleep(0.3)  # the watchdog polls every 0.1 s while the capture is open
+        graph.capture_end()
+    pending.wait()
+    replays = []
+    for value in (1.0, 3.0):
+        static.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append({"got": static[:4].tolist(), "want": [2 * value * world] * 4,
+                        "all_equal": bool((static == static[0]).all())})
+    time.sleep(0.3)  # several watchdog rounds
+    after = torch.full((4,), 2.0, device=device)
+    dist.all_reduce(after)
+    result = {"errors": errors, "replays": replays, "after": after.tolist(), "after_want": [2.0 * world] * 4}
+    dist.destroy_process_group()
+    return result

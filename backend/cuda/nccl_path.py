@@ -64,12 +64,17 @@ class NcclPath:
                 enqueue: Callable[[object, int], None]) -> CudaWork:
         """Enqueue ``enqueue(comm, stream_handle)`` on the group's stream for ``device``."""
         describe = where(self.rank, self.world_size, op)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and (device.index not in self.comms.by_device or device.index not in self.streams):
+            raise SMDDPError(f"{describe} the first collective on {device} is being captured into a CUDA graph, "
+                             "but creating its NCCL communicator and stream cannot be captured; run one "
+                             f"collective on {device} before the capture (a warm-up step), as with torch's nccl")
         comm = self.comms.get(device)
         self._report_once(device)
         stream = self.streams.get(device.index)
         if stream is None:
             stream = self.streams[device.index] = torch.cuda.Stream(device)
-        work = CudaWork(describe, device, outputs, self.timeout, self.blocking)
+        work = CudaWork(describe, device, outputs, self.timeout, self.blocking, captured=capturing)
         try:
             run_on_stream(stream, touched, lambda: enqueue(comm, stream.cuda_stream))
         except Exception as exc:  # NcclError: NCCL's own text, e.g. "NCCL_ERROR_INVALID_ARGUMENT: ..."
@@ -78,7 +83,8 @@ class NcclPath:
             raise SMDDPError(reason) from exc
         work.keep = touched
         work.enqueued(stream)
-        self.watchdog.track(work)
+        if not capturing:  # a captured call runs at each replay; the watchdog's event queries
+            self.watchdog.track(work)  # during a capture would invalidate the graph
         self.last_device = device
         return work
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import where
+from ..errors import SMDDPError, where
 from .work import CudaWork
 
 
@@ -38,6 +38,10 @@ class StagedPath:
     def run(self, op: str, method: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device) -> CudaWork:
         """Call the process group's ``method`` with every CUDA tensor in ``args`` replaced by a
         host copy; returns a ``CudaWork`` that ends once the outputs are back on ``device``."""
+        if torch.cuda.is_current_stream_capturing():  # the host must wait for the copies: no graph
+            raise SMDDPError(f"{where(self.rank, self.world_size, op)} is being captured into a CUDA graph, "
+                             "but this call goes through host memory, which a graph cannot hold; capture only "
+                             "collectives NCCL runs itself (install cupy, see SMDDP_CUDA_TRANSPORT)")
         stream = self.streams.get(device.index)
         if stream is None:
             stream = self.streams[device.index] = torch.cuda.Stream(device)

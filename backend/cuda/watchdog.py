@@ -8,10 +8,16 @@ the process group's timeout counts as stuck. Either way every communicator of th
 aborted (which makes NCCL's kernels return), every collective in flight fails with the reason,
 and the group refuses later calls with it, on every rank that sees the failure, instead of
 hanging. This is what ProcessGroupNCCL's watchdog does with TORCH_NCCL_ASYNC_ERROR_HANDLING.
+
+CUDA graphs: while another thread captures in CUDA's default ("global") mode, an event query
+from this thread would invalidate that capture. The thread therefore switches its own capture
+mode to thread-local before its first query (it never captures anything itself), as
+ProcessGroupNCCL's watchdog does; collectives made during a capture are not tracked at all.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -25,6 +31,24 @@ from .work import CudaWork
 log = logging.getLogger("smddp_lite")
 
 POLL_S = 0.1
+CUDA_CAPTURE_MODE_THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal (0 is global, 2 relaxed)
+
+
+def use_thread_local_capture_mode() -> bool:
+    """Set the calling thread's CUDA stream-capture mode to thread-local, through the CUDA
+    runtime torch has loaded (dlopen by soname finds that copy). False, with a debug log, where
+    that runtime cannot be reached: the queries then stay as safe as the capturing thread's mode."""
+    major = (torch.version.cuda or "").split(".")[0]
+    try:
+        runtime = ctypes.CDLL(f"libcudart.so.{major}")
+        mode = ctypes.c_int(CUDA_CAPTURE_MODE_THREAD_LOCAL)
+        status = runtime.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+    except (OSError, AttributeError) as exc:
+        log.debug("smddp: watchdog capture mode unchanged (%s)", exc)
+        return False
+    if status != 0:
+        log.debug("smddp: watchdog capture mode unchanged (cudaThreadExchangeStreamCaptureMode: %d)", status)
+    return status == 0
 
 
 class Watchdog:
@@ -44,6 +68,7 @@ class Watchdog:
         self._pending: list[CudaWork] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._capture_mode_set = False  # done once, by the thread that queries events
         self._thread = threading.Thread(target=self._loop, name=f"smddp-watchdog-{name}", daemon=True)
         self._thread.start()
 
@@ -90,6 +115,9 @@ class Watchdog:
             # the event's device made current: a thread starts on device 0, and a CUDA call there
             # would give every rank a context (hundreds of MiB) on the first GPU
             with torch.cuda.device(work.device):
+                if not self._capture_mode_set and getattr(work.device, "type", None) == "cuda":
+                    self._capture_mode_set = True  # tried once: it fails the same way each time
+                    use_thread_local_capture_mode()
                 ended = work.error is not None or work.ended()
             if ended:
                 work.keep = []  # done: drop the references that kept its tensors alive

@@ -40,9 +40,12 @@ class CudaWork(dist._Work):
     """
 
     def __init__(self, describe: str, device: torch.device, outputs: list[torch.Tensor], timeout: timedelta,
-                 blocking: bool) -> None:
+                 blocking: bool, captured: bool = False) -> None:
         super().__init__()
         self.describe = describe
+        # enqueued while the caller's stream was capturing a CUDA graph: it runs at each replay,
+        # so waiting only orders streams (the host cannot wait for work a capture only records)
+        self.captured = captured
         self.device = device
         self.outputs = outputs
         self.keep: list[torch.Tensor] = []
@@ -88,7 +91,10 @@ class CudaWork(dist._Work):
         return self._future
 
     def ended(self) -> bool:
-        """True once the device has passed the collective's end (never blocks)."""
+        """True once the device has passed the collective's end (never blocks); a captured
+        collective once it is in the graph (its event cannot be queried during the capture)."""
+        if self.captured:
+            return self._host_done.is_set()
         return self._host_done.is_set() and self.end is not None and self.end.query()
 
     # what callers use ---------------------------------------------------------------------------
@@ -97,7 +103,7 @@ class CudaWork(dist._Work):
         if not self._host_done.wait(limit):
             raise PeerFailureError(f"{self.describe}: the host-side part did not finish within {limit:.0f} s")
         self._raise_if_failed()
-        if self.blocking:
+        if self.blocking and not self.captured:
             self.block_host(limit)
         torch.cuda.current_stream(self.device).wait_event(self.end)
         return True
