@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.multinode.cluster import SimCluster
+from benchmarks.multinode.cluster import DEFAULT_BURST, SimCluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {  # name: (ddp_throughput --variant, extra arguments, environment)
@@ -59,7 +59,7 @@ def start_job(cluster: SimCluster, per_host: int, script: list[str], env: dict, 
 
 
 def run_job(hosts: int, per_host: int, script: list[str], env: dict, rate: str, launcher: str, timeout: float,
-            what: str, tries: int = 2) -> list[str]:
+            what: str, tries: int = 2, burst: str = DEFAULT_BURST) -> list[str]:
     """Run ``script`` on ``hosts`` fresh simulated hosts; returns each host's output. A failed
     job is run again once on a fresh cluster, saying why on stderr: torch's own gloo sometimes
     aborts a rank while the process group is torn down, after the measurement (2026-11-23,
@@ -67,7 +67,7 @@ def run_job(hosts: int, per_host: int, script: list[str], env: dict, rate: str, 
     must not end a sweep of many. A second failure raises."""
     for attempt in range(1, tries + 1):
         try:
-            with SimCluster(hosts, rate=rate) as cluster:
+            with SimCluster(hosts, rate=rate, burst=burst) as cluster:
                 return cluster.wait_all(start_job(cluster, per_host, script, env, launcher), timeout=timeout)
         except RuntimeError as exc:
             failure = f"{what}: {exc}"
@@ -76,11 +76,12 @@ def run_job(hosts: int, per_host: int, script: list[str], env: dict, rate: str, 
 
 
 def run_one(hosts: int, per_host: int, variant: str, rate: str, steps: int, save: str | None,
-            launcher: str = "torchrun") -> dict:
+            launcher: str = "torchrun", burst: str = DEFAULT_BURST) -> dict:
     """One training job on ``hosts`` fresh simulated hosts; returns rank 0's JSON report."""
     kind, extra, env = VARIANTS[variant]
     script = ["ddp_throughput.py", f"--variant={kind}", f"--steps={steps}", *extra] + (["--save-params", save] if save else [])
-    outputs = run_job(hosts, per_host, script, env, rate, launcher, 900, f"{variant} on {hosts}x{per_host}")
+    outputs = run_job(hosts, per_host, script, env, rate, launcher, 900, f"{variant} on {hosts}x{per_host}",
+                      burst=burst)
     report = next((json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")), None)
     if report is None:
         raise RuntimeError(f"{variant} on {hosts}x{per_host} printed no report:\n" + outputs[0][-3000:])
@@ -100,18 +101,21 @@ COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment); the cost mo
     (2, 2, {"SMDDP_ALGORITHM": "hierarchical"}),
     (2, 2, BF16),
     (4, 2, {"SMDDP_ALGORITHM": "flat"}),
+    (4, 2, {"SMDDP_ALGORITHM": "hierarchical"}),
     (4, 2, BF16),
 ]
 
 
 def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str, launcher: str = "torchrun",
-                    sizes: tuple[str, str] = ("64K", "16M")) -> list[dict]:
+                    sizes: tuple[str, str] = ("64K", "16M"), burst: str = DEFAULT_BURST) -> list[dict]:
     """all_reduce timings (benchmarks/collectives.py, smddp only) on a fresh simulated cluster,
     for message sizes from ``sizes[0]`` to ``sizes[1]`` bytes in steps of 2x."""
     out = os.path.join(tmp, f"coll-{hosts}x{per_host}-{len(os.listdir(tmp))}.json")
+    # 10 warm-up calls: enough to spend the tbf bucket's credit (2 MB) that builds up between sizes
+    # before the timed ones, even at 1 MiB on 2 hosts (512 KiB per link and call)
     script = ["collectives.py", "--backends=smddp", "--ops=all_reduce", "-b", sizes[0], "-e", sizes[1], "-f", "2",
-              "-n", "20", "-w", "3", "--json", out]
-    run_job(hosts, per_host, script, env, rate, launcher, 1200, f"collectives on {hosts}x{per_host} {env}")
+              "-n", "20", "-w", "10", "--json", out]
+    run_job(hosts, per_host, script, env, rate, launcher, 1200, f"collectives on {hosts}x{per_host} {env}", burst=burst)
     rows = json.load(open(out))["rows"]
     return [{"hosts": hosts, "per_host": per_host, "algorithm": env["SMDDP_ALGORITHM"],
              "wire": env.get("SMDDP_INTER_NODE_WIRE_DTYPE", "float32"), "bytes": r["size"],
@@ -138,9 +142,9 @@ def efficiency(rows: list[dict]) -> None:
         r["efficiency"] = r["samples_per_s"] / (r["hosts"] * one) if one else None
 
 
-def write_outputs(rows: list[dict], runs: list[dict], out: str, rate: str) -> None:
+def write_outputs(rows: list[dict], runs: list[dict], out: str, rate: str, burst: str = DEFAULT_BURST) -> None:
     with open(out + ".json", "w") as f:
-        json.dump({"rate": rate, "rows": rows, "runs": runs, "torch": torch.__version__}, f, indent=1)
+        json.dump({"rate": rate, "burst": burst, "rows": rows, "runs": runs, "torch": torch.__version__}, f, indent=1)
     lines = ["| hosts x ranks | variant | samples/s | step (ms) | vs gloo | scaling efficiency | runs (samples/s) |",
              "|---|---|---:|---:|---:|---:|---|"]
     gloo = {(r["hosts"], r["per_host"]): r["samples_per_s"] for r in rows if r["name"] == "gloo"}
@@ -181,6 +185,7 @@ def write_outputs(rows: list[dict], runs: list[dict], out: str, rate: str) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of every host link")
+    parser.add_argument("--burst", default=DEFAULT_BURST, help="tc tbf burst (token bucket depth) of every host link")
     parser.add_argument("--hosts", default="1,2,4")
     parser.add_argument("--per-host", default="1,2")
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -210,11 +215,12 @@ def main() -> None:
             for rep in range(args.repeat):  # every configuration once per round: drifts hit each alike
                 for h, p, env in runs:
                     rows += [{**r, "round": rep} for r in run_collectives(h, p, env, args.rate, tmp, args.launcher,
-                                                                          (args.min_bytes, args.max_bytes))]
+                                                                          (args.min_bytes, args.max_bytes), args.burst)]
                     print(f"round {rep}: {h} x {p} {env}", flush=True)
         with open(args.out + ".json", "w") as f:
             # every simulated host shares this machine's cores: the cost model's contention term
-            json.dump({"rate": args.rate, "cores": os.cpu_count(), "rounds": args.repeat, "rows": rows}, f, indent=1)
+            json.dump({"rate": args.rate, "burst": args.burst, "cores": os.cpu_count(), "rounds": args.repeat,
+                       "rows": rows}, f, indent=1)
         for h, p, env in runs:  # each size's median over the rounds
             times = {}
             for r in rows:
@@ -225,7 +231,7 @@ def main() -> None:
         print(f"wrote {args.out}.json ({len(rows)} measurements)")
         return
     if args.quick:
-        report = run_one(2, 1, "smddp-hier", args.rate, 2, None, args.launcher)
+        report = run_one(2, 1, "smddp-hier", args.rate, 2, None, args.launcher, args.burst)
         print(json.dumps(report))
         return
     runs = []
@@ -236,7 +242,7 @@ def main() -> None:
                 for rep in range(args.repeat):  # alternate the variants, so drifts hit each alike
                     for name in variants:
                         save = os.path.join(tmp, f"{name}-{hosts}x{per_host}.pt")
-                        row = run_one(hosts, per_host, name, args.rate, args.steps, save, args.launcher)
+                        row = run_one(hosts, per_host, name, args.rate, args.steps, save, args.launcher, args.burst)
                         runs.append({**row, "round": rep})
                         print(f"{hosts} x {per_host} {name:<20} {row['samples_per_s']:8.0f} samples/s", flush=True)
                     ref = os.path.join(tmp, f"gloo-{hosts}x{per_host}.pt")
@@ -248,7 +254,7 @@ def main() -> None:
                             r["max_param_abs"] = float(want.abs().max())
     rows = median_runs(runs)
     efficiency(rows)
-    write_outputs(rows, runs, args.out, args.rate)
+    write_outputs(rows, runs, args.out, args.rate, args.burst)
     print(f"wrote {args.out}.md, .json and .png")
 
 

@@ -38,6 +38,19 @@ def test_quick_scaling_run_on_two_simulated_hosts(launcher):
     assert "smddp" not in listed, f"namespaces left behind: {listed}"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
+def test_cluster_limits_both_directions_of_each_host_link_as_asked():
+    from benchmarks.multinode.cluster import SimCluster
+
+    with SimCluster(2, rate="500mbit", burst="1mb") as cluster:
+        inside = subprocess.run(["ip", "netns", "exec", cluster.ns[1], "tc", "qdisc", "show", "dev", "eth0"],
+                                capture_output=True, text=True, check=True).stdout
+        outside = subprocess.run(["tc", "qdisc", "show", "dev", f"{cluster.bridge}p1"],
+                                 capture_output=True, text=True, check=True).stdout
+    for shown in (inside, outside):  # tc prints "rate 500Mbit burst 1Mb lat 50ms"
+        assert "tbf" in shown and "rate 500Mbit" in shown and "burst 1Mb" in shown, shown
+
+
 def test_cluster_refuses_without_root(monkeypatch):
     from benchmarks.multinode.cluster import SimCluster
 
@@ -87,9 +100,11 @@ def test_collectives_sweep_on_chosen_configurations(tmp_path):
     out = tmp_path / "sweep"
     done = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--collectives", "--hosts", "2", "--per-host", "1",
                            "--min-bytes", "64K", "--max-bytes", "128K", "--env", "SMDDP_INTER_NODE_ACCUMULATE=wire",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--burst", "1mb", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    rows = sweep["rows"]
+    assert sweep["burst"] == "1mb" and sweep["rate"] == "1gbit"
     # the cost model's two 2 x 1 configurations (flat, hierarchical bfloat16), two sizes each
     assert sorted((r["algorithm"], r["bytes"]) for r in rows) == [
         ("flat", 65536), ("flat", 131072), ("hierarchical", 65536), ("hierarchical", 131072)]

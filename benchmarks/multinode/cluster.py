@@ -36,8 +36,15 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+# The token bucket's depth. A shallow one distorts TCP at these rates: with 256kb (the default
+# until 2026-11-23), 1 MiB all_reduces on 4 hosts x 2 ranks took 35-41 ms against 14-16 ms of
+# wire time and the 16-bit exchange of 4 MiB 55 ms against 25 ms, while with 2mb both run at
+# wire time and no size runs faster than it (benchmarks/results/2026-11-23-cost-model.md).
+DEFAULT_BURST = "2mb"
+
+
 class SimCluster:
-    def __init__(self, hosts: int, rate: str = "1gbit", burst: str = "256kb") -> None:
+    def __init__(self, hosts: int, rate: str = "1gbit", burst: str = DEFAULT_BURST) -> None:
         if os.geteuid() != 0:
             raise PermissionError(
                 "SimCluster needs root: it creates network namespaces, veth links and tc qdiscs. "
