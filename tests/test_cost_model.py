@@ -32,6 +32,23 @@ def test_step_cpu_binds_only_where_ranks_outnumber_cores_and_steps_are_small():
     assert cm.predict(4, 2, "flat", MIB, LINKS, step_cpu=c) == pytest.approx(cm.predict(4, 2, "flat", MIB, LINKS))
 
 
+def test_skew_between_a_hosts_groups_is_added_only_where_their_steps_queue_for_cores():
+    c = 0.5e-3
+    intra = 2 * (10e-6 + 0.5 * MIB / 5e9)  # reduce-scatter + all-gather of 2 ranks: a step of half each
+    # 4 x 2 on 2 cores, 1 MiB: 6 inter steps of 256 KiB (2.2 ms on the link) against a 2 ms CPU bound
+    linked = cm.predict(4, 2, "hierarchical", MIB, LINKS, cores=2, step_cpu=c)
+    assert linked == pytest.approx(cm.ring(4, MIB, *LINKS["inter"]) + 4 * intra)  # inside: 4 ranks per core
+    # a faster link makes the steps CPU-bound: 6 bounded steps, then one more for the other group
+    fast = {**LINKS, "inter": (50e-6, 1 / 1e9)}
+    bound = 4 * c
+    assert cm.predict(4, 2, "hierarchical", MIB, fast, cores=2, step_cpu=c) == pytest.approx(
+        6 * bound + (2 - 1) * bound + 4 * intra)
+    # one rank per host (no other group) or a core per rank (no queue): nothing added
+    assert cm.predict(4, 1, "hierarchical", MIB, fast, cores=4, step_cpu=c) == pytest.approx(6 * c)
+    assert cm.predict(4, 2, "hierarchical", MIB, fast, step_cpu=c) == pytest.approx(
+        cm.ring(4, MIB, 50e-6, 1 / 1e9, c) + intra)
+
+
 def test_pipelined_hierarchical_overlaps_the_host_phases_with_the_network():
     one_piece = cm.predict(2, 2, "hierarchical", 16 * MIB, LINKS)
     pieces = cm.predict(2, 2, "hierarchical", 16 * MIB, LINKS, piece=4 * MIB)
