@@ -131,21 +131,27 @@ def graph_capture() -> dict:
     side.wait_stream(torch.cuda.current_stream(device))
     torch.cuda._sleep(1_000_000_000)  # ~0.5 s on the current stream, which the capture does not wait for
     pending = dist.all_reduce(torch.ones(4, device=device), async_op=True)  # in flight during the capture
+    gathered = torch.empty(world * static.numel(), device=device)
+    dist.all_gather_into_tensor(gathered, static)  # warm-up of the second captured op too
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         graph.capture_begin()
         static.mul_(2)
         dist.all_reduce(static)
+        # out of place: NCCL must copy even at world size 1, so the graph holds NCCL's own work
+        dist.all_gather_into_tensor(gathered, static)
         time.sleep(0.3)  # the watchdog polls every 0.1 s while the capture is open
         graph.capture_end()
     pending.wait()
     replays = []
     for value in (1.0, 3.0):
         static.fill_(value)
+        gathered.zero_()
         graph.replay()
         torch.cuda.synchronize()
         replays.append({"got": static[:4].tolist(), "want": [2 * value * world] * 4,
-                        "all_equal": bool((static == static[0]).all())})
+                        "all_equal": bool((static == static[0]).all()),
+                        "gathered_all_equal": bool((gathered == 2 * value * world).all())})
     time.sleep(0.3)  # several watchdog rounds
     after = torch.full((4,), 2.0, device=device)
     dist.all_reduce(after)

@@ -248,5 +248,5 @@ def test_all_reduce_captured_in_a_cuda_graph_replays():
     (r,) = harness.values(harness.launch("tests.cuda_programs:graph_capture", 1, env={"SMDDP_CUDA_TRANSPORT": "nccl"}))
     assert "warm-up" in r["errors"].get("before_warm_up", ""), r
     for replay in r["replays"]:
-        assert replay["got"] == replay["want"] and replay["all_equal"], r
+        assert replay["got"] == replay["want"] and replay["all_equal"] and replay["gathered_all_equal"], r
     assert r["after"] == r["after_want"], r

@@ -64,7 +64,8 @@ class NcclPath:
                 enqueue: Callable[[object, int], None]) -> CudaWork:
         """Enqueue ``enqueue(comm, stream_handle)`` on the group's stream for ``device``."""
         describe = where(self.rank, self.world_size, op)
-        capturing = torch.cuda.is_current_stream_capturing()
+        with torch.cuda.device(device):  # the stream run_on_stream waits for: the device's current one
+            capturing = torch.cuda.is_current_stream_capturing()
         if capturing and (device.index not in self.comms.by_device or device.index not in self.streams):
             raise SMDDPError(f"{describe} the first collective on {device} is being captured into a CUDA graph, "
                              "but creating its NCCL communicator and stream cannot be captured; run one "
@@ -216,6 +217,11 @@ class NcclPath:
         """A one-element all_reduce on the device this group last used, which the host then
         waits for (as ProcessGroupNCCL's barrier does): earlier collectives have ended too."""
         device = self.last_device or torch.device("cuda", torch.cuda.current_device())
+        with torch.cuda.device(device):
+            if torch.cuda.is_current_stream_capturing():
+                raise SMDDPError(f"{where(self.rank, self.world_size, 'barrier')} is being captured into a CUDA "
+                                 "graph, but a barrier blocks the host, which a graph cannot do; call it outside "
+                                 "the capture")
         work = self.all_reduce([torch.zeros(1, device=device)], RedOp.SUM)
         work.block_host(work.timeout_s)
         return work

@@ -40,8 +40,9 @@ class StagedPath:
         host copy; returns a ``CudaWork`` that ends once the outputs are back on ``device``."""
         if torch.cuda.is_current_stream_capturing():  # the host must wait for the copies: no graph
             raise SMDDPError(f"{where(self.rank, self.world_size, op)} is being captured into a CUDA graph, "
-                             "but this call goes through host memory, which a graph cannot hold; capture only "
-                             "collectives NCCL runs itself (install cupy, see SMDDP_CUDA_TRANSPORT)")
+                             "but this call goes through host memory, which a graph cannot hold: NCCL is not in "
+                             "use (install cupy, see SMDDP_CUDA_TRANSPORT) or cannot run it (bitwise reductions, "
+                             "bool XOR, bfloat16 before NCCL 2.10); capture only what NCCL runs")
         stream = self.streams.get(device.index)
         if stream is None:
             stream = self.streams[device.index] = torch.cuda.Stream(device)

@@ -35,20 +35,26 @@ CUDA_CAPTURE_MODE_THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal (0 is glo
 
 
 def use_thread_local_capture_mode() -> bool:
-    """Set the calling thread's CUDA stream-capture mode to thread-local, through the CUDA
-    runtime torch has loaded (dlopen by soname finds that copy). False, with a debug log, where
-    that runtime cannot be reached: the queries then stay as safe as the capturing thread's mode."""
+    """Set the calling thread's CUDA stream-capture mode to thread-local: through the driver
+    (one per process, and its calls make no context), else through the CUDA runtime torch has
+    loaded (dlopen by soname finds that copy). False, with a warning, where neither is reachable:
+    an event query of this thread during a capture elsewhere would then invalidate that capture."""
     major = (torch.version.cuda or "").split(".")[0]
-    try:
-        runtime = ctypes.CDLL(f"libcudart.so.{major}")
-        mode = ctypes.c_int(CUDA_CAPTURE_MODE_THREAD_LOCAL)
-        status = runtime.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode))
-    except (OSError, AttributeError) as exc:
-        log.debug("smddp: watchdog capture mode unchanged (%s)", exc)
-        return False
-    if status != 0:
-        log.debug("smddp: watchdog capture mode unchanged (cudaThreadExchangeStreamCaptureMode: %d)", status)
-    return status == 0
+    tried = []
+    for library, function in (("libcuda.so.1", "cuThreadExchangeStreamCaptureMode"),
+                              (f"libcudart.so.{major}", "cudaThreadExchangeStreamCaptureMode")):
+        try:
+            mode = ctypes.c_int(CUDA_CAPTURE_MODE_THREAD_LOCAL)
+            status = getattr(ctypes.CDLL(library), function)(ctypes.byref(mode))
+        except (OSError, AttributeError) as exc:
+            tried.append(f"{library}: {exc}")
+            continue
+        if status == 0:
+            return True
+        tried.append(f"{function} returned {status}")
+    log.warning("smddp: the watchdog could not make its CUDA capture mode thread-local (%s); capture CUDA "
+                "graphs with torch.cuda.graph(..., capture_error_mode='thread_local')", "; ".join(tried))
+    return False
 
 
 class Watchdog:
@@ -115,7 +121,8 @@ class Watchdog:
             # the event's device made current: a thread starts on device 0, and a CUDA call there
             # would give every rank a context (hundreds of MiB) on the first GPU
             with torch.cuda.device(work.device):
-                if not self._capture_mode_set and getattr(work.device, "type", None) == "cuda":
+                if (not self._capture_mode_set and getattr(work.device, "type", None) == "cuda"
+                        and threading.current_thread() is self._thread):  # the mode is per thread
                     self._capture_mode_set = True  # tried once: it fails the same way each time
                     use_thread_local_capture_mode()
                 ended = work.error is not None or work.ended()

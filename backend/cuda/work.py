@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import PeerFailureError
+from ..errors import PeerFailureError, SMDDPError
 from ..work import as_backend_error
 
 
@@ -98,7 +98,18 @@ class CudaWork(dist._Work):
         return self._host_done.is_set() and self.end is not None and self.end.query()
 
     # what callers use ---------------------------------------------------------------------------
+    def _check_not_after_capture(self) -> None:
+        # the end event belongs to the graph: outside the capture there is nothing to wait for
+        if not self.captured:
+            return
+        with torch.cuda.device(self.device):
+            capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            raise SMDDPError(f"{self.describe} was captured into a CUDA graph, so it runs at each replay: wait "
+                             "for it inside the capture, and for a replay by synchronising its stream")
+
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        self._check_not_after_capture()
         limit = timeout.total_seconds() or self.timeout_s
         if not self._host_done.wait(limit):
             raise PeerFailureError(f"{self.describe}: the host-side part did not finish within {limit:.0f} s")
@@ -109,6 +120,7 @@ class CudaWork(dist._Work):
         return True
 
     def synchronize(self) -> None:
+        self._check_not_after_capture()
         self._host_done.wait(self.timeout_s)
         self._raise_if_failed()
         torch.cuda.current_stream(self.device).wait_event(self.end)
