@@ -18,8 +18,8 @@ DDP on a 21 MB model): 172 ms per step with one inter-host step at a time, 156 m
 Between hosts, a floating-point SUM can travel as bfloat16/float16: the shard is exchanged in
 the wire dtype with an all-to-all, each rank sums its slice in float32, and the sums travel
 back in the wire dtype (between two hosts gloo's ring does the same in one addition; with
-``inter_node_accumulate="wire"`` it also serves more hosts, rounding on every hop, which is
-faster because the all-to-all's flows into one host overrun its link). A 16-bit input (the
+``inter_node_accumulate="wire"`` it also serves more hosts, rounding on every hop, with one flow
+per link and less CPU work than the all-to-all). A 16-bit input (the
 compiled step's wire dtype) takes that path in its own dtype, so gradients stay 16-bit on the
 network and are still accumulated in float32. The sums come back from the network already
 rounded to the wire dtype, so the all-gather inside the host moves them in that dtype too (half
