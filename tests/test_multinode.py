@@ -43,12 +43,13 @@ def test_cluster_limits_both_directions_of_each_host_link_as_asked():
     from benchmarks.multinode.cluster import SimCluster
 
     with SimCluster(2, rate="500mbit", burst="1mb") as cluster:
-        inside = subprocess.run(["ip", "netns", "exec", cluster.ns[1], "tc", "qdisc", "show", "dev", "eth0"],
-                                capture_output=True, text=True, check=True).stdout
-        outside = subprocess.run(["tc", "qdisc", "show", "dev", f"{cluster.bridge}p1"],
-                                 capture_output=True, text=True, check=True).stdout
-    for shown in (inside, outside):  # tc prints "rate 500Mbit burst 1Mb lat 50ms"
-        assert "tbf" in shown and "rate 500Mbit" in shown and "burst 1Mb" in shown, shown
+        shown = [subprocess.run([*prefix, "tc", "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True,
+                                check=True).stdout
+                 for prefix, dev in ((["ip", "netns", "exec", cluster.ns[1]], "eth0"), ([], f"{cluster.bridge}p1"))]
+    for text in shown:  # host egress, then the bridge port's egress (the host's ingress)
+        (qdisc,) = json.loads(text)
+        assert qdisc["kind"] == "tbf" and qdisc["options"]["rate"] == 500_000_000 // 8, text
+        assert qdisc["options"]["burst"] == pytest.approx(1 << 20, rel=0.01), text  # tc rounds to its ticks
 
 
 def test_cluster_refuses_without_root(monkeypatch):
