@@ -21,17 +21,19 @@ a message of S bytes:
                                     gathers the others)
 
 The simulated cluster runs every rank of every host on one machine's C cores (C = 2 here), so
-CPU work slows down by p/C once p ranks exceed them. Two terms carry that; the extrapolation
-below has a core per rank, where both drop out:
+CPU work slows down by p/C once p ranks exceed them. Three terms carry that; the extrapolation
+below has a core per rank, where all drop out:
 - alpha and beta inside hosts and the CPU share of a 16-bit class's beta (what exceeds half the
   float32 beta) are multiplied by max(1, p/C). Network latency and bytes are not.
 - a ring step between hosts needs every rank's CPU for a while (system calls, the kernel's TCP
   work for the simulated links, the addition): c, ``step_cpu``. p ranks on C cores cannot end
   a step before max(1, p/C) c, so each step lasts max(alpha + bytes beta, max(1, p/C) c). With a
   core per rank that bound is below the transfer of any step of the judged sizes; 8 ranks on 2
-  cores hit it (a 1 MiB flat ring there is 14 steps of 128 KiB, 1 ms each on the link and
-  about 2 ms measured). c is fitted after the classes, on the fit-set runs with more ranks than
-  cores (4 x 1), at every size: where their steps are small, c and not the link sets the pace.
+  cores hit it (a 1 MiB flat ring there is 14 steps of 128 KiB, 1.1 ms each on the link; the
+  bound says 2 ms and 1.3-1.8 ms were measured on 2026-11-23: too pessimistic for one flat ring
+  of 8, right for two hierarchical groups of 4). c is fitted after the classes, on the fit-set
+  runs with more ranks than cores (4 x 1), at every size: where their steps are small, c and not
+  the link sets the pace.
 - the gather inside a host starts when the last of the host's L inter-host groups has ended.
   Where those steps are CPU-bound (the bound above binds), the groups take turns on the cores
   and the last ends up to (L-1) bounded steps after the first: (L-1) max(1, p/C) c is added.

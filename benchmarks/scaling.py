@@ -170,7 +170,7 @@ def write_outputs(rows: list[dict], runs: list[dict], out: str, rate: str, burst
             pts = sorted((r["hosts"], r["samples_per_s"]) for r in rows if r["name"] == name and r["per_host"] == per_host)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.set_title(f"{per_host} rank(s) per host, {rate} links")
+        ax.set_title(f"{per_host} rank(s) per host, {rate} links (tbf burst {burst})")
         ax.set_xlabel("simulated hosts")
         ax.set_ylabel("samples/s")
         ax.set_xticks([1, 2, 4])
