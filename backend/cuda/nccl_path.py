@@ -27,7 +27,7 @@ from .communicators import (NCCL_AVG_VERSION, NCCL_BF16_VERSION, NCCL_DTYPE_NAME
                             nccl_version_string)
 from .environment import efa_devices, find_net_plugin, network_report
 from .watchdog import Watchdog
-from .work import CudaWork, run_on_stream
+from .work import CudaWork, capturing, run_on_stream
 
 log = logging.getLogger("smddp_lite")
 
@@ -64,9 +64,8 @@ class NcclPath:
                 enqueue: Callable[[object, int], None]) -> CudaWork:
         """Enqueue ``enqueue(comm, stream_handle)`` on the group's stream for ``device``."""
         describe = where(self.rank, self.world_size, op)
-        with torch.cuda.device(device):  # the stream run_on_stream waits for: the device's current one
-            capturing = torch.cuda.is_current_stream_capturing()
-        if capturing and (device.index not in self.comms.by_device or device.index not in self.streams):
+        in_capture = capturing(device)
+        if in_capture and (device.index not in self.comms.by_device or device.index not in self.streams):
             raise SMDDPError(f"{describe} the first collective on {device} is being captured into a CUDA graph, "
                              "but creating its NCCL communicator and stream cannot be captured; run one "
                              f"collective on {device} before the capture (a warm-up step), as with torch's nccl")
@@ -75,7 +74,7 @@ class NcclPath:
         stream = self.streams.get(device.index)
         if stream is None:
             stream = self.streams[device.index] = torch.cuda.Stream(device)
-        work = CudaWork(describe, device, outputs, self.timeout, self.blocking, captured=capturing)
+        work = CudaWork(describe, device, outputs, self.timeout, self.blocking, captured=in_capture)
         try:
             run_on_stream(stream, touched, lambda: enqueue(comm, stream.cuda_stream))
         except Exception as exc:  # NcclError: NCCL's own text, e.g. "NCCL_ERROR_INVALID_ARGUMENT: ..."
@@ -84,7 +83,7 @@ class NcclPath:
             raise SMDDPError(reason) from exc
         work.keep = touched
         work.enqueued(stream)
-        if not capturing:  # a captured call runs at each replay; the watchdog's event queries
+        if not in_capture:  # a captured call runs at each replay; the watchdog's event queries
             self.watchdog.track(work)  # during a capture would invalidate the graph
         self.last_device = device
         return work
@@ -217,11 +216,10 @@ class NcclPath:
         """A one-element all_reduce on the device this group last used, which the host then
         waits for (as ProcessGroupNCCL's barrier does): earlier collectives have ended too."""
         device = self.last_device or torch.device("cuda", torch.cuda.current_device())
-        with torch.cuda.device(device):
-            if torch.cuda.is_current_stream_capturing():
-                raise SMDDPError(f"{where(self.rank, self.world_size, 'barrier')} is being captured into a CUDA "
-                                 "graph, but a barrier blocks the host, which a graph cannot do; call it outside "
-                                 "the capture")
+        if capturing(device):
+            raise SMDDPError(f"{where(self.rank, self.world_size, 'barrier')} is being captured into a CUDA "
+                             "graph, but a barrier blocks the host, which a graph cannot do; call it outside "
+                             "the capture")
         work = self.all_reduce([torch.zeros(1, device=device)], RedOp.SUM)
         work.block_host(work.timeout_s)
         return work

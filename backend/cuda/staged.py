@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import SMDDPError, where
-from .work import CudaWork
+from .work import CudaWork, capturing
 
 
 class StagedPath:
@@ -38,7 +38,7 @@ class StagedPath:
     def run(self, op: str, method: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device) -> CudaWork:
         """Call the process group's ``method`` with every CUDA tensor in ``args`` replaced by a
         host copy; returns a ``CudaWork`` that ends once the outputs are back on ``device``."""
-        if torch.cuda.is_current_stream_capturing():  # the host must wait for the copies: no graph
+        if capturing(device):  # the host must wait for the copies: no graph
             raise SMDDPError(f"{where(self.rank, self.world_size, op)} is being captured into a CUDA graph, "
                              "but this call goes through host memory, which a graph cannot hold: NCCL is not in "
                              "use (install cupy, see SMDDP_CUDA_TRANSPORT) or cannot run it (bitwise reductions, "

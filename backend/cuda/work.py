@@ -100,11 +100,7 @@ class CudaWork(dist._Work):
     # what callers use ---------------------------------------------------------------------------
     def _check_not_after_capture(self) -> None:
         # the end event belongs to the graph: outside the capture there is nothing to wait for
-        if not self.captured:
-            return
-        with torch.cuda.device(self.device):
-            capturing = torch.cuda.is_current_stream_capturing()
-        if not capturing:
+        if self.captured and not capturing(self.device):
             raise SMDDPError(f"{self.describe} was captured into a CUDA graph, so it runs at each replay: wait "
                              "for it inside the capture, and for a replay by synchronising its stream")
 
@@ -180,6 +176,13 @@ class CudaWork(dist._Work):
                 )
             time.sleep(50e-6)
         self._raise_if_failed()
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream (the caller's, which collectives wait for) is
+    capturing a CUDA graph."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 _FUTURE_STREAMS: dict[int, torch.cuda.Stream] = {}

@@ -18,6 +18,7 @@ Everything created is removed on exit, on an exception, and on SIGTERM/SIGINT.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -37,9 +38,10 @@ def _ip(*args: str) -> None:
 
 
 # The token bucket's depth. A shallow one distorts TCP at these rates: with 256kb (the default
-# until 2026-11-23), 1 MiB all_reduces on 4 hosts x 2 ranks took 35-41 ms against 14-16 ms of
-# wire time and the 16-bit exchange of 4 MiB 55 ms against 25 ms, while with 2mb both run at
-# wire time and no size runs faster than it (benchmarks/results/2026-11-23-cost-model.md).
+# until 2026-11-23), a 1 MiB all_reduce on 4 hosts x 2 ranks took 33 ms against 15 ms of wire
+# time and the 16-bit exchange of 4 MiB 54 ms against 25 ms; with 2mb, 19 and 28 ms
+# (benchmarks/results/2026-11-23-token-bucket.md). A deep bucket banks up to 2 MB of an idle
+# link's time, which a real link cannot: the collectives sweep warms up to spend it.
 DEFAULT_BURST = "2mb"
 
 
@@ -105,10 +107,8 @@ class SimCluster:
 
     def close(self) -> None:
         for p in self.procs:  # each was started in its own session: end everything it started
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it has ended already
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         for p in self.procs:
             try:
                 p.wait(timeout=10)
