@@ -3,6 +3,7 @@ times, and its fits recovering known constants from rows generated with them."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -81,3 +82,44 @@ def test_median_rows_takes_each_sizes_median_over_rounds():
     got = {r["bytes"]: r for r in cm.median_rows(rows)}
     assert got[MIB]["time_s"] == 0.012 and got[MIB]["rounds"] == [0.010, 0.030, 0.012]
     assert got[2 * MIB]["time_s"] == 0.02
+
+
+def _model_rows(links: dict, step_cpu: dict, cores: int) -> list[dict]:
+    """One round of every configuration the sweep measures, timed by the model itself."""
+    from benchmarks.scaling import COLLECTIVE_RUNS
+    rows = []
+    for hosts, per_host, env in COLLECTIVE_RUNS:
+        alg, wire = env["SMDDP_ALGORITHM"], env.get("SMDDP_INTER_NODE_WIRE_DTYPE", "float32")
+        for size in (64 << 10, 256 << 10, MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB):
+            t = cm.predict(hosts, per_host, alg, size, links, wire, piece=4 * MIB, cores=cores, step_cpu=step_cpu[alg])
+            rows.append({"hosts": hosts, "per_host": per_host, "algorithm": alg, "wire": wire, "bytes": size,
+                         "time_s": t, "round": 0})
+    return rows
+
+
+def test_report_fits_each_algorithms_cpu_time_on_its_own_run_and_judges_the_rest(tmp_path, monkeypatch, capsys):
+    # measurements made by known constants: the fits must find them and every judged point must agree
+    links = {"intra": (4e-6, 1 / 11e9), "inter": (1e-6, 1 / 0.119e9), cm.INTER_16[2]: (0.0, 1 / 0.23e9),
+             cm.INTER_16_MANY: (0.0, 1 / 0.2e9)}
+    step_cpu = {"flat": 0.30e-3, "hierarchical": 0.49e-3}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"rate": "1gbit", "burst": "2mb", "cores": 2, "rows": _model_rows(links, step_cpu, 2)}))
+    monkeypatch.setattr(sys, "argv", ["cost_model.py", str(path), "--piece-bytes", str(4 * MIB)])
+    cm.main()
+    report = capsys.readouterr().out
+    assert "| one flat ring over all ranks | 8 x 1 flat float32 | 300 |" in report
+    assert "| the hierarchical inter-host groups | 4 x 1 hierarchical bfloat16 | 490 |" in report
+    assert "worst 0%, 35 of 35 within 20%" in report
+    judged = [line for line in report.splitlines() if "MiB |" in line]
+    assert not [line for line in judged if line.startswith("| 8 x 1") or line.startswith("| 4 x 1 | hier")]
+    assert len(judged) == 35
+
+
+def test_report_without_the_flat_cpu_run_says_which_run_to_measure(tmp_path, monkeypatch):
+    links = {"intra": (4e-6, 1 / 11e9), "inter": (1e-6, 1 / 0.119e9)}
+    rows = [r for r in _model_rows(links, {"flat": 0.3e-3, "hierarchical": 0.49e-3}, 2) if r["hosts"] != 8]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"rate": "1gbit", "cores": 2, "rows": rows}))
+    monkeypatch.setattr(sys, "argv", ["cost_model.py", str(path)])
+    with pytest.raises(SystemExit, match=r"no 8 x 1 flat float32 run.*benchmarks.scaling --collectives"):
+        cm.main()
