@@ -67,6 +67,12 @@ class Job:
     warmup: int
     iters: int
     check: bool
+    timed_bytes: int = 0  # time at least this many message bytes per size ...
+    max_iters: int = 100  # ... in at most this many calls
+
+    def calls(self, size: int) -> int:
+        """Timed calls for one size: -n, or more where -n calls move fewer than --timed-bytes."""
+        return max(self.iters, min(self.max_iters, -(-self.timed_bytes // size)))
 
 
 @dataclass
@@ -99,6 +105,12 @@ def parse_args():
     p.add_argument("-f", "--step-factor", default=2, type=int)
     p.add_argument("-n", "--iters", default=20, type=int)
     p.add_argument("-w", "--warmup", default=5, type=int)
+    # A rate-limited link with a token bucket (the simulated hosts' tc tbf) banks credit while it
+    # idles; a short timed loop of small calls spends it and runs faster than the link.
+    p.add_argument("--timed-bytes", default=0, type=byte_size,
+                   help="time more calls at small sizes: ceil(B / size) where that is above -n, "
+                        "at most --max-iters (suffixes K, M, G)")
+    p.add_argument("--max-iters", default=100, type=int, help="cap on the calls --timed-bytes adds")
     p.add_argument("--root", default=0, type=int)
     p.add_argument("--check", default=True, action=argparse.BooleanOptionalAction)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -108,8 +120,10 @@ def parse_args():
         p.error(f"unknown --ops {sorted(unknown)}; choose from {', '.join(OPS)}")
     if args.redop == "avg" and not DTYPES[args.dtype][0].is_floating_point:
         p.error("--redop avg needs a floating-point --dtype")
-    if args.min_bytes < 1 or args.step_factor < 2 or args.iters < 1 or args.warmup < 0:
-        p.error("need -b >= 1, -f >= 2, -n >= 1, -w >= 0")
+    if args.min_bytes < 1 or args.step_factor < 2 or args.iters < 1 or args.warmup < 0 or args.timed_bytes < 0:
+        p.error("need -b >= 1, -f >= 2, -n >= 1, -w >= 0, --timed-bytes >= 0")
+    if args.max_iters < args.iters:
+        p.error(f"--max-iters {args.max_iters} is below -n {args.iters}; raise it or lower -n")
     if "smddp" in args.backends and smddp_lite is None:
         p.error(f"backend 'smddp' requested but `import smddp_lite` failed: "
                 f"{SMDDP_IMPORT_ERROR!r} (pip install -e the project, or set PYTHONPATH)")
@@ -253,7 +267,7 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def measure(case, expected, job, group):
+def measure(case, expected, job, group, iters):
     """Time `iters` back-to-back calls, then verify one fresh call: (time_us, #wrong)."""
     case.fill()  # uninitialised memory may hold NaNs/denormals that slow CPU reductions
     for _ in range(job.warmup):
@@ -261,10 +275,10 @@ def measure(case, expected, job, group):
     synchronize(job.device)
     dist.barrier(group=group)
     start = time.perf_counter()
-    for _ in range(job.iters):
+    for _ in range(iters):
         case.run()
     synchronize(job.device)
-    local_us = (time.perf_counter() - start) / job.iters * 1e6
+    local_us = (time.perf_counter() - start) / iters * 1e6
     time_us = group_reduce(local_us, dist.ReduceOp.MAX, torch.float64, job, group)  # slowest rank
     if not job.check:
         return time_us, None
@@ -372,9 +386,9 @@ def run_op(op, sizes, job, backends, say):
         expected = expected_result(op, count, job) if job.check else None
         rows = []
         for label, group in backends:
-            results = [measure(build_case(op, count, in_place, job, group), expected, job, group)
+            results = [measure(build_case(op, count, in_place, job, group), expected, job, group, job.calls(size))
                        for in_place in (False, True)]
-            rows.append(make_row(op, size, label, results, job))
+            rows.append({**make_row(op, size, label, results, job), "iters": job.calls(size)})
             say(format_row(rows[-1], width), flush=True)
         per_size.append((size, rows))
     say("\n".join(footer_lines(per_size, labels) + ratio_lines(per_size, labels)))
@@ -398,7 +412,7 @@ def main():
     if not 0 <= args.root < world:
         sys.exit(f"error: --root {args.root} is not a rank of this {world}-rank job")
     job = Job(*DTYPES[args.dtype], device, rank, world, args.root, args.redop,
-              args.warmup, args.iters, args.check)
+              args.warmup, args.iters, args.check, args.timed_bytes, args.max_iters)
     # The default group runs the first backend; every further backend gets a group of
     # all ranks, so global ranks are group ranks for root/src/dst.
     groups = [dist.group.WORLD] + [dist.new_group(backend=b) for b in args.backends[1:]]

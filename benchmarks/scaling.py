@@ -113,10 +113,13 @@ def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str, l
     """all_reduce timings (benchmarks/collectives.py, smddp only) on a fresh simulated cluster,
     for message sizes from ``sizes[0]`` to ``sizes[1]`` bytes in steps of 2x."""
     out = os.path.join(tmp, f"coll-{hosts}x{per_host}-{len(os.listdir(tmp))}.json")
-    # 10 warm-up calls: enough to spend the tbf bucket's credit (2 MB) that builds up between sizes
-    # before the timed ones, even at 1 MiB on 2 hosts (512 KiB per link and call)
+    # The tbf bucket (2 MB) fills while the link idles between sizes. 10 warm-up calls spend most
+    # of it, but not where a call's CPU time is close to its wire time (a bfloat16 1 MiB call on
+    # 2 hosts moves 512 KiB per link in 4.4 ms, and the bucket refills for most of that), so
+    # each size is timed over at least 64 MiB of messages (64 calls at 1 MiB, at most 100):
+    # what credit is left is then worth a few percent, not the 10-20% it was with 20 calls.
     script = ["collectives.py", "--backends=smddp", "--ops=all_reduce", "-b", sizes[0], "-e", sizes[1], "-f", "2",
-              "-n", "20", "-w", "10", "--json", out]
+              "-n", "20", "-w", "10", "--timed-bytes", "64M", "--max-iters", "100", "--json", out]
     run_job(hosts, per_host, script, env, rate, launcher, 1200, f"collectives on {hosts}x{per_host} {env}", burst=burst)
     rows = json.load(open(out))["rows"]
     return [{"hosts": hosts, "per_host": per_host, "algorithm": env["SMDDP_ALGORITHM"],

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from smddp_lite.backend.transports.hierarchical import Topology
 
@@ -94,6 +95,15 @@ def test_16_bit_sums_between_three_hosts_round_as_configured(accumulate):
             # hop: one step lost there, never more (and the setting visibly takes effect)
             assert set(got) == {1.0, exact}
     assert all(r == results[0] for r in results), "every rank must hold the same sums"
+
+
+def test_timed_loop_moves_at_least_timed_bytes_per_size_within_the_cap():
+    from benchmarks.collectives import Job
+    job = Job(torch.float32, "float", torch.device("cpu"), 0, 2, 0, "sum", warmup=10, iters=20, check=True,
+              timed_bytes=64 << 20, max_iters=100)
+    assert [job.calls(size) for size in (64 << 10, 512 << 10, 1 << 20, 3 << 20, 16 << 20)] == [100, 100, 64, 22, 20]
+    plain = Job(torch.float32, "float", torch.device("cpu"), 0, 2, 0, "sum", warmup=10, iters=20, check=True)
+    assert plain.calls(1 << 10) == 20  # without --timed-bytes every size runs -n calls
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
