@@ -44,16 +44,19 @@ below has a core per rank, where all drop out:
   timestamps of a 4 x 2, 1 MiB call on 2026-11-23: the gather waited 1.6-3.3 ms for the host's
   other group; (L-1) max(1, p/C) c is 1.8 ms there.) No constant is fitted for it.
 
-Each measurement is the median of its rounds (``--repeat``). The classes are fitted by least
-squares on the relative error, on messages of 1 MiB and more (below that a step costs 0.5-2 ms
-whatever its size, no alpha-beta process), on the runs that show one class alone: 1 host x 2 ranks
-(inside), 2 hosts x 1 rank flat (between), 2 and 4 hosts x 1 rank with a bfloat16 wire (the two
-16-bit algorithms); then the two CPU constants as above. Every other run (several ranks per
-host and several hosts) is predicted and its error reported. The fitted form is then evaluated with NVLink- and EFA-class constants for 8 to
-512 GPUs (8 per host), where a 16-bit wire halves the bytes between hosts.
+Each measurement is the median of its rounds (``--repeat``, or every round of several sweep files
+given together: some 1 MiB points on this lab vary by 1.8x from round to round). The classes are
+fitted by least squares on the relative error, on messages of 1 MiB and more (below that a step
+costs 0.5-2 ms whatever its size, no alpha-beta process), on the runs that show one class alone: 1
+host x 2 ranks (inside), 2 hosts x 1 rank flat (between), 2 and 4 hosts x 1 rank with a bfloat16
+wire (the two 16-bit algorithms); then the two CPU constants as above. Every other run (several
+ranks per host and several hosts) is predicted and its error reported. The fitted form is then
+evaluated with NVLink- and EFA-class constants for 8 to 512 GPUs (8 per host), where a 16-bit wire
+halves the bytes between hosts.
 
     python -m benchmarks.scaling --collectives --repeat 3 --out benchmarks/results/DATE-collectives-1gbit
     python benchmarks/cost_model.py benchmarks/results/DATE-collectives-1gbit.json --piece-bytes 4194304
+    python benchmarks/cost_model.py SWEEP.json REPLICATE.json     # the rounds of both sweeps pooled
 """
 
 from __future__ import annotations
@@ -155,6 +158,19 @@ def median_rows(rows: list[dict]) -> list[dict]:
             for g in groups.values()]
 
 
+def load_sweeps(paths: list[str]) -> dict:
+    """One sweep's JSON, or several pooled: their rows together, each keeping its sweep and
+    round. Pooling needs the same lab (link rate, bucket, cores) in every file."""
+    sweeps = [json.load(open(p)) for p in paths]
+    lab = {k: sweeps[0].get(k) for k in ("rate", "burst", "cores")}
+    for path, sweep in zip(paths, sweeps):
+        if {k: sweep.get(k) for k in lab} != lab:
+            raise SystemExit(f"{path} was measured on {({k: sweep.get(k) for k in lab})}, {paths[0]} on {lab}: "
+                             "only sweeps of the same lab can be pooled; pass them separately")
+    rows = [{**r, "sweep": i} for i, sweep in enumerate(sweeps) for r in sweep["rows"]]
+    return {**sweeps[0], "rows": rows, "sweeps": len(sweeps)}
+
+
 def fit_step_cpu(rows: list[dict], links: dict, piece: float, cores: int) -> float:
     """The CPU time per rank and inter-host step that best explains ``rows`` (runs with more
     ranks than cores, every size: where steps are small, the CPU, not the link, sets their pace),
@@ -167,14 +183,16 @@ def fit_step_cpu(rows: list[dict], links: dict, piece: float, cores: int) -> flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("measurements", help="JSON from python -m benchmarks.scaling --collectives")
+    parser.add_argument("measurements", nargs="+",
+                        help="JSON from python -m benchmarks.scaling --collectives; several files (sweeps of "
+                             "the same lab) pool their rounds, each size's median taken over all of them")
     parser.add_argument("--out", help="write the report (markdown) here as well")
     parser.add_argument("--piece-bytes", type=float, default=4 << 20,
                         help="SMDDP_HIERARCHICAL_CHUNK_BYTES of the measured runs")
     parser.add_argument("--compute-s", type=float, default=0.40, help="compute time per step per GPU (assumed)")
     parser.add_argument("--grad-bytes", type=float, default=340e6 * 2, help="gradient bytes per step (BERT-large, fp16)")
     args = parser.parse_args()
-    data = json.load(open(args.measurements))
+    data = load_sweeps(args.measurements)
     by = defaultdict(list)
     for r in median_rows(data["rows"]):
         by[(r["hosts"], r["per_host"], r["algorithm"], r["wire"])].append(r)
@@ -196,7 +214,7 @@ def main() -> None:
     # fitted on its own fit-set run at every size (8 x 1 flat is measured for this alone)
     missing = [f"{h} x {p} {a} {w}" for h, p, a, w in CPU_FITTED_ON.values() if not by[(h, p, a, w)]]
     if missing:
-        raise SystemExit(f"{args.measurements} has no {' or '.join(missing)} run, which the CPU time per step is "
+        raise SystemExit(f"{' + '.join(args.measurements)} has no {' or '.join(missing)} run, which the CPU time per step is "
                          "fitted on (files before 2026-11-23's last sweep lack 8 x 1 flat); measure every "
                          "configuration with python -m benchmarks.scaling --collectives")
     step_cpu = {alg: fit_step_cpu(by[key], links, args.piece_bytes, cores) for alg, key in CPU_FITTED_ON.items()}
@@ -214,7 +232,9 @@ def main() -> None:
     out += ["", f"A step of p ranks on {cores} cores lasts at least max(1, p/{cores}) times its algorithm's CPU time.",
             "",
             f"Link classes fitted on {fitted}, messages of 1 MiB and more; {cores} cores shared by every rank; each "
-            f"measurement is the median of its {max(len(r['rounds']) for rs in by.values() for r in rs)} rounds.", "",
+            f"measurement is the median of its {max(len(r['rounds']) for rs in by.values() for r in rs)} rounds"
+            + (f" ({data['sweeps']} sweeps pooled: {', '.join(args.measurements)})." if data["sweeps"] > 1 else "."),
+            "",
             "Held-out configurations (not used for the fit): measured vs predicted", "",
             "| hosts x ranks | algorithm | wire | size | measured (ms) | predicted (ms) | error | rounds (ms) |",
             "|---|---|---|---:|---:|---:|---:|---|"]

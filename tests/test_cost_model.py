@@ -123,3 +123,20 @@ def test_report_without_the_flat_cpu_run_says_which_run_to_measure(tmp_path, mon
     monkeypatch.setattr(sys, "argv", ["cost_model.py", str(path)])
     with pytest.raises(SystemExit, match=r"no 8 x 1 flat float32 run.*benchmarks.scaling --collectives"):
         cm.main()
+
+
+def test_sweeps_of_one_lab_pool_their_rounds_and_different_labs_are_refused(tmp_path):
+    row = {"hosts": 2, "per_host": 1, "algorithm": "flat", "wire": "float32", "bytes": MIB, "round": 0}
+    lab = {"rate": "1gbit", "burst": "2mb", "cores": 2}
+    paths = []
+    for i, times in enumerate(((0.010, 0.011, 0.030), (0.012, 0.031, 0.032))):
+        paths.append(tmp_path / f"sweep{i}.json")
+        paths[-1].write_text(json.dumps({**lab, "rows": [{**row, "round": k, "time_s": t} for k, t in enumerate(times)]}))
+    pooled = cm.load_sweeps([str(p) for p in paths])
+    assert pooled["sweeps"] == 2 and pooled["rate"] == "1gbit"
+    (median,) = cm.median_rows(pooled["rows"])
+    assert median["time_s"] == pytest.approx(0.021) and len(median["rounds"]) == 6  # not either sweep's median
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**lab, "burst": "256kb", "rows": []}))
+    with pytest.raises(SystemExit, match="only sweeps of the same lab can be pooled"):
+        cm.load_sweeps([str(paths[0]), str(other)])
