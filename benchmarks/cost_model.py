@@ -210,12 +210,13 @@ def main() -> None:
             a, b = links[name]
             b_net = links["inter"][1] / 2 if name.startswith("inter, 16-bit") else 0.0
             links[name] = (a, b_net + max(0.0, b - b_net) / factor)
-    # the CPU term is seen only where ranks outnumber cores: one constant per algorithm, each
-    # fitted on its own fit-set run at every size (8 x 1 flat is measured for this alone)
+    # one CPU constant per algorithm, each fitted on its own fit-set run at every size (where
+    # ranks outnumber cores and steps are small it sets their pace; 8 x 1 flat is measured for
+    # this alone)
     missing = [f"{h} x {p} {a} {w}" for h, p, a, w in CPU_FITTED_ON.values() if not by[(h, p, a, w)]]
     if missing:
-        raise SystemExit(f"{' + '.join(args.measurements)} has no {' or '.join(missing)} run, which the CPU time per step is "
-                         "fitted on (files before 2026-11-23's last sweep lack 8 x 1 flat); measure every "
+        raise SystemExit(f"{' + '.join(args.measurements)} has no {' or '.join(missing)} run, which the CPU "
+                         "time per step is fitted on (files before 2026-11-23's last sweep lack 8 x 1 flat); measure every "
                          "configuration with python -m benchmarks.scaling --collectives")
     step_cpu = {alg: fit_step_cpu(by[key], links, args.piece_bytes, cores) for alg, key in CPU_FITTED_ON.items()}
     judged_out = set(fitted_on.values()) | set(CPU_FITTED_ON.values())
@@ -256,7 +257,7 @@ def main() -> None:
                       step_cpu=step_cpu[alg]) - r["time_s"]) / r["time_s"]
              for (h, p, alg, wire), rs in by.items() if (h, p, alg, wire) not in judged_out
              for r in rs if r["bytes"] < MIN_BYTES]
-    out += ["", f"Mean absolute error {100 * sum(errors) / len(errors):.0f}%, worst {100 * max(errors):.0f}%, "
+    out += ["", f"Mean absolute error {100 * sum(errors) / len(errors):.0f}%, worst {100 * max(errors):.1f}%, "
             f"{within} of {len(errors)} within 20%, over the held-out measurements of 1 MiB and more."]
     if small:  # shown, not judged: the model does not claim this range
         out += ["", f"Below 1 MiB (not judged) the held-out errors run from {100 * min(small):+.0f}% to "
