@@ -298,7 +298,7 @@ def bus_factor(op, n):
 def make_row(op, size, backend, results, job):
     row = {"op": op, "size": size, "count": size // job.dtype.itemsize, "type": job.type_name,
            "redop": job.redop if op in REDUCING_OPS else "none",
-           "root": job.root if op in ROOTED_OPS else -1, "backend": backend}
+           "root": job.root if op in ROOTED_OPS else -1, "backend": backend, "iters": job.calls(size)}
     for place, (time_us, wrong) in zip(PLACES, results):
         algbw = size / time_us / 1e3  # bytes/us -> GB/s
         row[place] = {"time_us": time_us, "algbw": algbw,
@@ -382,13 +382,13 @@ def run_op(op, sizes, job, backends, say):
     say("\n".join(table_header(width)))
     per_size = []
     for size in sizes:
-        count = size // job.dtype.itemsize
+        count, calls = size // job.dtype.itemsize, job.calls(size)
         expected = expected_result(op, count, job) if job.check else None
         rows = []
         for label, group in backends:
-            results = [measure(build_case(op, count, in_place, job, group), expected, job, group, job.calls(size))
+            results = [measure(build_case(op, count, in_place, job, group), expected, job, group, calls)
                        for in_place in (False, True)]
-            rows.append({**make_row(op, size, label, results, job), "iters": job.calls(size)})
+            rows.append(make_row(op, size, label, results, job))
             say(format_row(rows[-1], width), flush=True)
         per_size.append((size, rows))
     say("\n".join(footer_lines(per_size, labels) + ratio_lines(per_size, labels)))

@@ -41,7 +41,8 @@ def _ip(*args: str) -> None:
 # until 2026-11-23), a 1 MiB all_reduce on 4 hosts x 2 ranks took 33 ms against 15 ms of wire
 # time and the 16-bit exchange of 4 MiB 54 ms against 25 ms; with 2mb, 19 and 28 ms
 # (benchmarks/results/2026-11-23-token-bucket.md). A deep bucket banks up to 2 MB of an idle
-# link's time, which a real link cannot: the collectives sweep warms up to spend it.
+# link's time, which a real link cannot: the collectives sweep warms up and times at least
+# 64 MiB per size so that it is spent or spread thin.
 DEFAULT_BURST = "2mb"
 
 
