@@ -13,8 +13,8 @@ a message of S bytes:
                                                                        the slowest hop when N > 1
     hierarchical, one piece         in(S) + x(S) + in(w S)
         in(B) = (L-1) * (alpha_in + B/L * beta_in)                     reduce-scatter or all-gather
-        x(B)  = 2(N-1) * (alpha_x + B/N * beta_x)                      L flows of B/L share one
-                                                                       host link
+        x(B)  = 2(N-1) * max(alpha_x + B/(N L) * beta_x, B/N * beta_x)  L flows of B/(N L) share
+                                                                       one host link (below)
         w = 1/2 with a 16-bit wire: the sums come back in it and are gathered in it
     hierarchical, k pieces of P     in(P) + (k-1) * max(x(P), 2 in(P)) + x(last) + in(w last)
                                     (the network works on one piece while the host reduces and
@@ -38,11 +38,19 @@ below has a core per rank, where all drop out:
   hierarchical step also runs the piece bookkeeping and gloo's worker threads). A single c
   fitted on 4 x 1 said 2 ms for both.
 - the gather inside a host starts when the last of the host's L inter-host groups has ended.
-  Where those steps are CPU-bound (the bound above binds), the groups take turns on the cores
-  and the last ends up to (L-1) bounded steps after the first: (L-1) max(1, p/C) c is added.
-  Where the link sets the pace they share it and end together, and nothing is added. (Phase
-  timestamps of a 4 x 2, 1 MiB call on 2026-11-23: the gather waited 1.6-3.3 ms for the host's
-  other group; (L-1) max(1, p/C) c is 1.8 ms there.) No constant is fitted for it.
+  The groups take turns on the cores, so the last ends up to (L-1) bounded steps, (L-1)
+  max(1, p/C) c, after the first. It waits that long where the cores are busy all the time
+  (the bound above binds) and less where they idle: the wait is that bound times the share of
+  a step the cores are busy, min(1, max(1, p/C) c / link step). (Until the evening of
+  2026-11-23 the wait was all or nothing at a share of 1, but phase timestamps of a 4 x 2
+  float32, 1 MiB call, whose share is 0.8, showed the gather waiting 1.6-3.3 ms for the host's
+  other group where the model added nothing; the bound is 1.8 ms there.) No constant is fitted
+  for it.
+
+The L groups of a host share its link: in one inter-host step they send b/N bytes between them,
+and while one group pays its per-step latency alpha the others keep the link busy, so a step lasts
+max(alpha + b/(N L) beta, b/N beta). With one group that is the ring's alpha + b/N beta. (2 x 2
+bfloat16 at 1 MiB measures its wire time, 4.4 ms, although 2 x 1 pays 0.18 ms per step.)
 
 Each measurement is the median of its rounds (``--repeat``, or every round of several sweep files
 given together: some 1 MiB points on this lab vary by 1.8x from round to round). The classes are
@@ -119,12 +127,18 @@ def predict(hosts: int, per_host: int, algorithm: str, nbytes: float, links: dic
     def inside(b: float) -> float:  # one reduce-scatter or all-gather inside the host
         return (per_host - 1) * (a_in + b / per_host * b_in)
 
+    def link_step(b: float) -> float:  # one inter-host step: the host's L groups send b/N between them
+        # over its one link, so while one group pays its latency the others keep the link busy
+        return max(a_x + b / (hosts * per_host) * b_x, b / hosts * b_x)
+
     def across(b: float) -> float:
-        return ring(hosts, b, a_x, b_x, f * step_cpu)
+        return 2 * (hosts - 1) * max(link_step(b), f * step_cpu)
 
     def skew(b: float) -> float:  # the host's other groups, when they queue for cores, end later
-        crowded_steps = f > 1 and a_x + b / hosts * b_x < f * step_cpu
-        return (per_host - 1) * f * step_cpu if crowded_steps else 0.0
+        if f <= 1 or step_cpu <= 0:
+            return 0.0
+        busy = min(1.0, f * step_cpu / link_step(b))  # how much of a step the cores are taken
+        return (per_host - 1) * f * step_cpu * busy
 
     k = 1 if piece is None else max(1, math.ceil(nbytes / piece))
     if k == 1:

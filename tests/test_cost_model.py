@@ -33,21 +33,40 @@ def test_step_cpu_binds_only_where_ranks_outnumber_cores_and_steps_are_small():
     assert cm.predict(4, 2, "flat", MIB, LINKS, step_cpu=c) == pytest.approx(cm.predict(4, 2, "flat", MIB, LINKS))
 
 
-def test_skew_between_a_hosts_groups_is_added_only_where_their_steps_queue_for_cores():
+def test_wait_for_a_hosts_other_group_grows_with_the_share_of_a_step_the_cores_are_busy():
     c = 0.5e-3
+    bound = 4 * c  # 8 ranks on 2 cores
     intra = 2 * (10e-6 + 0.5 * MIB / 5e9)  # reduce-scatter + all-gather of 2 ranks: a step of half each
-    # 4 x 2 on 2 cores, 1 MiB: 6 inter steps of 256 KiB (2.2 ms on the link) against a 2 ms CPU bound
+    # 4 x 2 on 2 cores, 1 MiB: 6 inter steps of 256 KiB (2.2 ms on the link) against a 2 ms CPU bound,
+    # so the cores are busy 2 / 2.2 of a step and the other group's wait is that share of a bound step
+    link = MIB / 4 / 0.12e9
     linked = cm.predict(4, 2, "hierarchical", MIB, LINKS, cores=2, step_cpu=c)
-    assert linked == pytest.approx(cm.ring(4, MIB, *LINKS["inter"]) + 4 * intra)  # inside: 4 ranks per core
-    # a faster link makes the steps CPU-bound: 6 bounded steps, then one more for the other group
+    assert linked == pytest.approx(6 * link + (2 - 1) * bound * bound / link + 4 * intra)  # inside: 4 ranks per core
+    # a faster link makes the steps CPU-bound: 6 bounded steps, then one whole bound step for the other group
     fast = {**LINKS, "inter": (50e-6, 1 / 1e9)}
-    bound = 4 * c
     assert cm.predict(4, 2, "hierarchical", MIB, fast, cores=2, step_cpu=c) == pytest.approx(
         6 * bound + (2 - 1) * bound + 4 * intra)
+    # the wait has no jump where the link and the CPU bound cross
+    at = {**LINKS, "inter": (0.0, bound / (MIB / 4))}
+    below, above = (cm.predict(4, 2, "hierarchical", MIB, at, cores=2, step_cpu=c * s) for s in (1 - 1e-6, 1 + 1e-6))
+    assert below == pytest.approx(above, rel=1e-4)
     # one rank per host (no other group) or a core per rank (no queue): nothing added
     assert cm.predict(4, 1, "hierarchical", MIB, fast, cores=4, step_cpu=c) == pytest.approx(6 * c)
     assert cm.predict(4, 2, "hierarchical", MIB, fast, step_cpu=c) == pytest.approx(
         cm.ring(4, MIB, 50e-6, 1 / 1e9, c) + intra)
+
+
+def test_a_hosts_groups_hide_each_others_latency_on_their_shared_link():
+    slow_start = {"intra": (0.0, 1 / 5e9), "inter": (0.4e-3, 1 / 0.12e9)}
+    inside = 2 * 0.5 * 8 * MIB / 5e9
+    # 2 x 1: one group, each of its 2 steps pays alpha and then sends 4 MiB
+    assert cm.predict(2, 1, "hierarchical", 8 * MIB, slow_start) == pytest.approx(2 * (0.4e-3 + 4 * MIB / 0.12e9))
+    # 2 x 2: two groups send 2 MiB each per step; while one pays its alpha the other keeps the link busy
+    assert cm.predict(2, 2, "hierarchical", 8 * MIB, slow_start) == pytest.approx(2 * 4 * MIB / 0.12e9 + inside)
+    # 4 x 8 with little per step: a group's alpha and its own bytes outlast the host's bytes per step
+    small = 64 << 10
+    assert cm.predict(4, 8, "hierarchical", small, slow_start) == pytest.approx(
+        6 * (0.4e-3 + small / 32 / 0.12e9) + 2 * 7 * small / 8 / 5e9)
 
 
 def test_pipelined_hierarchical_overlaps_the_host_phases_with_the_network():
