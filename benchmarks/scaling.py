@@ -59,16 +59,20 @@ def start_job(cluster: SimCluster, per_host: int, script: list[str], env: dict, 
 
 
 def run_job(hosts: int, per_host: int, script: list[str], env: dict, rate: str, launcher: str, timeout: float,
-            what: str, tries: int = 2, burst: str = DEFAULT_BURST) -> list[str]:
+            what: str, tries: int = 2, burst: str = DEFAULT_BURST, tcp: dict | None = None) -> list[str]:
     """Run ``script`` on ``hosts`` fresh simulated hosts; returns each host's output. A failed
     job is run again once on a fresh cluster, saying why on stderr: torch's own gloo sometimes
     aborts a rank while the process group is torn down, after the measurement (2026-11-23,
     "terminate called without an active exception" in 4 of about 40 runs), and a half-finished run
-    must not end a sweep of many. A second failure raises."""
+    must not end a sweep of many. A second failure raises. ``tcp``, when given, receives the
+    successful run's TCP counters (SimCluster.tcp_counters)."""
     for attempt in range(1, tries + 1):
         try:
             with SimCluster(hosts, rate=rate, burst=burst) as cluster:
-                return cluster.wait_all(start_job(cluster, per_host, script, env, launcher), timeout=timeout)
+                outputs = cluster.wait_all(start_job(cluster, per_host, script, env, launcher), timeout=timeout)
+                if tcp is not None:
+                    tcp.update(cluster.tcp_counters())
+                return outputs
         except RuntimeError as exc:
             failure = f"{what}: {exc}"
             print(f"attempt {attempt} of {tries} failed: {failure}", file=sys.stderr, flush=True)
@@ -120,11 +124,13 @@ def run_collectives(hosts: int, per_host: int, env: dict, rate: str, tmp: str, l
     # what credit is left is then worth a few percent, not the 10-20% it was with 20 calls.
     script = ["collectives.py", "--backends=smddp", "--ops=all_reduce", "-b", sizes[0], "-e", sizes[1], "-f", "2",
               "-n", "20", "-w", "10", "--timed-bytes", "64M", "--max-iters", "100", "--json", out]
-    run_job(hosts, per_host, script, env, rate, launcher, 1200, f"collectives on {hosts}x{per_host} {env}", burst=burst)
+    tcp: dict = {}  # the whole run's (every size, warm-up and start-up included): why a round was slow
+    run_job(hosts, per_host, script, env, rate, launcher, 1200, f"collectives on {hosts}x{per_host} {env}", burst=burst,
+            tcp=tcp)
     rows = json.load(open(out))["rows"]
     return [{"hosts": hosts, "per_host": per_host, "algorithm": env["SMDDP_ALGORITHM"],
              "wire": env.get("SMDDP_INTER_NODE_WIRE_DTYPE", "float32"), "bytes": r["size"],
-             "time_s": r["out_of_place"]["time_us"] * 1e-6, "env": env} for r in rows]
+             "time_s": r["out_of_place"]["time_us"] * 1e-6, "env": env, "tcp": tcp} for r in rows]
 
 
 def median_runs(runs: list[dict]) -> list[dict]:
@@ -221,9 +227,13 @@ def main() -> None:
             rows = []
             for rep in range(args.repeat):  # every configuration once per round: drifts hit each alike
                 for h, p, env in runs:
-                    rows += [{**r, "round": rep} for r in run_collectives(h, p, env, args.rate, tmp, args.launcher,
-                                                                          (args.min_bytes, args.max_bytes), args.burst)]
-                    print(f"round {rep}: {h} x {p} {env}", flush=True)
+                    run = run_collectives(h, p, env, args.rate, tmp, args.launcher, (args.min_bytes, args.max_bytes),
+                                          args.burst)
+                    rows += [{**r, "round": rep} for r in run]
+                    tcp = run[0]["tcp"]
+                    print(f"round {rep}: {h} x {p} {env} (TCP: {tcp['RetransSegs']} of {tcp['OutSegs']} segments "
+                          f"retransmitted, {tcp['TCPDSACKRecvSegs']} of them needlessly; {tcp['qdisc_drops']} "
+                          "packets dropped by the links)", flush=True)
         with open(args.out + ".json", "w") as f:
             # every simulated host shares this machine's cores: the cost model's contention term
             json.dump({"rate": args.rate, "burst": args.burst, "cores": os.cpu_count(), "rounds": args.repeat,

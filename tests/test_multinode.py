@@ -53,6 +53,39 @@ def test_cluster_limits_both_directions_of_each_host_link_as_asked():
         assert qdisc["options"]["burst"] == pytest.approx(1 << 20, rel=0.01), text  # tc rounds to its ticks
 
 
+def test_proc_net_counters_are_read_table_by_table():
+    from benchmarks.multinode.cluster import parse_proc_net
+
+    text = ("Ip: Forwarding DefaultTTL\nIp: 1 64\n"
+            "Tcp: RtoAlgorithm MaxConn OutSegs RetransSegs\nTcp: 1 -1 7120 3\n"
+            "TcpExt: SyncookiesSent TCPDSACKRecvSegs\nTcpExt: 0 3\n")
+    assert parse_proc_net(text) == {"Forwarding": 1, "DefaultTTL": 64, "RtoAlgorithm": 1, "MaxConn": -1,
+                                    "OutSegs": 7120, "RetransSegs": 3, "SyncookiesSent": 0, "TCPDSACKRecvSegs": 3}
+    with pytest.raises(ValueError, match="Tcp: then TcpExt:"):
+        parse_proc_net("Tcp: OutSegs\nTcpExt: 3\n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
+def test_cluster_counts_its_own_hosts_tcp_traffic():
+    from benchmarks.multinode.cluster import TCP_COUNTERS, SimCluster
+
+    sink = ("import socket; s = socket.create_server(('0.0.0.0', 29600)); c, _ = s.accept(); n = 0\n"
+            "while (b := c.recv(1 << 16)): n += len(b)\nprint(n)")
+    source = ("import socket, time\nfor _ in range(100):\n    try: c = socket.create_connection(('sim-host-0', 29600)); break\n"
+              "    except OSError: time.sleep(0.1)\nc.sendall(bytes(8 << 20)); c.close()")
+    with SimCluster(2, rate="500mbit") as cluster:
+        fresh = cluster.tcp_counters()
+        out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        got = cluster.wait_all([cluster.spawn(0, [sys.executable, "-c", sink], **out),
+                                cluster.spawn(1, [sys.executable, "-c", source], **out)], timeout=120)
+        after = cluster.tcp_counters()
+    assert set(fresh) == {*TCP_COUNTERS, "qdisc_drops"}
+    assert fresh["OutSegs"] == 0, "a new cluster's hosts have sent nothing: these are not the machine's own counters"
+    assert int(got[0]) == 8 << 20
+    assert after["OutSegs"] >= (8 << 20) / 65536  # at least one segment per 64 KiB sent (GSO counts each MSS)
+    assert 0 <= after["RetransSegs"] < after["OutSegs"]
+
+
 def test_cluster_refuses_without_root(monkeypatch):
     from benchmarks.multinode.cluster import SimCluster
 
@@ -121,4 +154,5 @@ def test_collectives_sweep_on_chosen_configurations(tmp_path):
         ("flat", 65536), ("flat", 131072), ("hierarchical", 65536), ("hierarchical", 131072)]
     assert all(r["hosts"] == 2 and r["per_host"] == 1 and r["time_s"] > 0 for r in rows)
     assert all(r["env"]["SMDDP_INTER_NODE_ACCUMULATE"] == "wire" for r in rows)
-    assert "2 x 1" in done.stdout and "64 KiB" in done.stdout
+    assert all(r["tcp"]["OutSegs"] > 0 and r["tcp"]["RetransSegs"] >= 0 for r in rows)  # each run's own TCP counters
+    assert "2 x 1" in done.stdout and "64 KiB" in done.stdout and "segments retransmitted" in done.stdout
