@@ -42,15 +42,17 @@ below has a core per rank, where all drop out:
   max(1, p/C) c, after the first. It waits that long where the cores are busy all the time
   (the bound above binds) and less where they idle: the wait is that bound times the share of
   a step the cores are busy, min(1, max(1, p/C) c / link step). (Until the evening of
-  2026-11-23 the wait was all or nothing at a share of 1, but phase timestamps of a 4 x 2
-  float32, 1 MiB call, whose share is 0.8, showed the gather waiting 1.6-3.3 ms for the host's
-  other group where the model added nothing; the bound is 1.8 ms there.) No constant is fitted
-  for it.
+  2026-11-23 the wait was all or nothing at a share of 1: a jump no queue makes, just above
+  4 x 2 float32 at 1 MiB, whose share is 0.8 and whose rounds ran up to 75% over the
+  old prediction. Phase timestamps of a 4 x 2 bfloat16, 1 MiB call, whose share is above 1, showed
+  the gather waiting 1.6-3.3 ms for the host's other group; the bound is 1.8 ms there.) No
+  constant is fitted for it.
 
 The L groups of a host share its link: in one inter-host step they send b/N bytes between them,
 and while one group pays its per-step latency alpha the others keep the link busy, so a step lasts
 max(alpha + b/(N L) beta, b/N beta). With one group that is the ring's alpha + b/N beta. (2 x 2
-bfloat16 at 1 MiB measures its wire time, 4.4 ms, although 2 x 1 pays 0.18 ms per step.)
+bfloat16 at 1 MiB measures its wire time, 4.4 ms, although fits on 2 x 1 give its steps up to
+0.2 ms of latency.)
 
 Each measurement is the median of its rounds (``--repeat``, or every round of several sweep files
 given together: some 1 MiB points on this lab vary by 1.8x from round to round). The classes are
