@@ -43,9 +43,10 @@ below has a core per rank, where all drop out:
   (the bound above binds) and less where they idle: the wait is that bound times the share of
   a step the cores are busy, min(1, max(1, p/C) c / link step). (Until the evening of
   2026-11-23 the wait was all or nothing at a share of 1: a jump no queue makes, just above
-  4 x 2 float32 at 1 MiB, whose share is 0.8 and whose rounds ran up to 75% over the
+  4 x 2 float32 at 1 MiB, whose share is 0.8 and whose rounds ran up to 76% over the
   old prediction. Phase timestamps of a 4 x 2 bfloat16, 1 MiB call, whose share is above 1, showed
-  the gather waiting 1.6-3.3 ms for the host's other group; the bound is 1.8 ms there.) No
+  1.6-3.3 ms in the gather, most of it waiting for the host's other group; the bound is 1.8 ms
+  there.) No
   constant is fitted for it.
 
 The L groups of a host share its link: in one inter-host step they send b/N bytes between them,
@@ -139,7 +140,8 @@ def predict(hosts: int, per_host: int, algorithm: str, nbytes: float, links: dic
     def skew(b: float) -> float:  # the host's other groups, when they queue for cores, end later
         if f <= 1 or step_cpu <= 0:
             return 0.0
-        busy = min(1.0, f * step_cpu / link_step(b))  # how much of a step the cores are taken
+        link = link_step(b)  # 0 only for an empty message on a link without latency: cores always busy
+        busy = min(1.0, f * step_cpu / link) if link > 0 else 1.0  # how much of a step the cores are taken
         return (per_host - 1) * f * step_cpu * busy
 
     k = 1 if piece is None else max(1, math.ceil(nbytes / piece))

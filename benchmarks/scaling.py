@@ -71,7 +71,10 @@ def run_job(hosts: int, per_host: int, script: list[str], env: dict, rate: str, 
             with SimCluster(hosts, rate=rate, burst=burst) as cluster:
                 outputs = cluster.wait_all(start_job(cluster, per_host, script, env, launcher), timeout=timeout)
                 if tcp is not None:
-                    tcp.update(cluster.tcp_counters())
+                    try:
+                        tcp.update(cluster.tcp_counters())
+                    except subprocess.CalledProcessError as exc:  # a failed run: tried again like one
+                        raise RuntimeError(f"reading the hosts' TCP counters failed: {exc}; {exc.stderr}") from exc
                 return outputs
         except RuntimeError as exc:
             failure = f"{what}: {exc}"

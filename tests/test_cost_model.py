@@ -50,6 +50,9 @@ def test_wait_for_a_hosts_other_group_grows_with_the_share_of_a_step_the_cores_a
     at = {**LINKS, "inter": (0.0, bound / (MIB / 4))}
     below, above = (cm.predict(4, 2, "hierarchical", MIB, at, cores=2, step_cpu=c * s) for s in (1 - 1e-6, 1 + 1e-6))
     assert below == pytest.approx(above, rel=1e-4)
+    # an empty message on a link without latency: no step to share, the whole bound is waited
+    free = {**LINKS, "inter": (0.0, 1 / 1e9)}
+    assert cm.predict(4, 2, "hierarchical", 0, free, cores=2, step_cpu=c) == pytest.approx(6 * bound + bound + 8 * 10e-6)
     # one rank per host (no other group) or a core per rank (no queue): nothing added
     assert cm.predict(4, 1, "hierarchical", MIB, fast, cores=4, step_cpu=c) == pytest.approx(6 * c)
     assert cm.predict(4, 2, "hierarchical", MIB, fast, step_cpu=c) == pytest.approx(

@@ -63,6 +63,8 @@ def test_proc_net_counters_are_read_table_by_table():
                                     "OutSegs": 7120, "RetransSegs": 3, "SyncookiesSent": 0, "TCPDSACKRecvSegs": 3}
     with pytest.raises(ValueError, match="Tcp: then TcpExt:"):
         parse_proc_net("Tcp: OutSegs\nTcpExt: 3\n")
+    with pytest.raises(ValueError, match="TcpExt: has names but no values"):
+        parse_proc_net("Tcp: OutSegs\nTcp: 3\nTcpExt: TCPTimeouts\n")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
@@ -82,8 +84,8 @@ def test_cluster_counts_its_own_hosts_tcp_traffic():
     assert set(fresh) == {*TCP_COUNTERS, "qdisc_drops"}
     assert fresh["OutSegs"] == 0, "a new cluster's hosts have sent nothing: these are not the machine's own counters"
     assert int(got[0]) == 8 << 20
-    assert after["OutSegs"] >= (8 << 20) / 65536  # at least one segment per 64 KiB sent (GSO counts each MSS)
-    assert 0 <= after["RetransSegs"] < after["OutSegs"]
+    # a segment carries at most 1448 bytes on these 1500-byte links (the counter counts each MSS of a GSO packet)
+    assert after["OutSegs"] >= (8 << 20) / 1448
 
 
 def test_cluster_refuses_without_root(monkeypatch):

@@ -43,10 +43,13 @@ TCP_COUNTERS = ("OutSegs", "RetransSegs", "TCPDSACKRecvSegs", "TCPFastRetrans", 
 
 
 def parse_proc_net(text: str) -> dict[str, int]:
-    """Every counter of /proc/net/snmp or /proc/net/netstat text, which lists each table as two
-    lines, names then values, both led by the table's name ("Tcp: RtoAlgorithm ...")."""
+    """The counters of /proc/net/snmp or /proc/net/netstat text, which lists each table as two
+    lines, names then values, both led by the table's name ("Tcp: RtoAlgorithm ..."). A name
+    that several tables share (InErrors) keeps the last table's value; the TCP ones are unique."""
     counters = {}
     lines = [line.split() for line in text.splitlines() if line.strip()]
+    if len(lines) % 2:
+        raise ValueError(f"unexpected /proc/net layout: {lines[-1][0]} has names but no values")
     for names, values in zip(lines[::2], lines[1::2]):
         if names[0] != values[0]:
             raise ValueError(f"unexpected /proc/net layout: {names[0]} then {values[0]}")
