@@ -112,6 +112,9 @@ COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment); the cost mo
     (4, 2, BF16),
     # fitted, never judged: the CPU time per step of one flat ring of 8 ranks (4 x 2 flat is judged)
     (8, 1, {"SMDDP_ALGORITHM": "flat"}),
+    # held out: four inter-host groups share each host's link and cores, as eight GPUs per host do
+    # in the extrapolation (4 x 2 has two)
+    (2, 4, {"SMDDP_ALGORITHM": "hierarchical"}),
 ]
 
 
@@ -202,7 +205,8 @@ def main() -> None:
     parser.add_argument("--burst", default=DEFAULT_BURST, help="tc tbf burst (token bucket depth) of every host link")
     parser.add_argument("--hosts", help="simulated host counts (default: 1,2,4; --collectives: every "
                                          "configuration of the cost model, 8 hosts included)")
-    parser.add_argument("--per-host", default="1,2")
+    parser.add_argument("--per-host", help="ranks per simulated host (default: 1,2; --collectives: every "
+                                            "configuration of the cost model, 2 x 4 included)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeat", type=int, default=1,
@@ -223,7 +227,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.collectives:
         hosts = set(map(int, args.hosts.split(","))) if args.hosts else {h for h, _, _ in COLLECTIVE_RUNS}
-        per_host = set(map(int, args.per_host.split(",")))
+        per_host = set(map(int, args.per_host.split(","))) if args.per_host else {p for _, p, _ in COLLECTIVE_RUNS}
         extra = dict(kv.split("=", 1) for kv in args.env)
         runs = [(h, p, {**env, **extra}) for h, p, env in COLLECTIVE_RUNS if h in hosts and p in per_host]
         with tempfile.TemporaryDirectory() as tmp:
@@ -258,7 +262,7 @@ def main() -> None:
     variants = args.variants.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for hosts in map(int, (args.hosts or "1,2,4").split(",")):
-            for per_host in map(int, args.per_host.split(",")):
+            for per_host in map(int, (args.per_host or "1,2").split(",")):
                 for rep in range(args.repeat):  # alternate the variants, so drifts hit each alike
                     for name in variants:
                         save = os.path.join(tmp, f"{name}-{hosts}x{per_host}.pt")
