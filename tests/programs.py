@@ -67,10 +67,20 @@ def mismatch(kind: str) -> dict:
 
 
 def one_rank_refuses() -> dict:
-    """Rank 1 passes a tensor the backend refuses while rank 0 waits in the call."""
+    """The last rank passes a tensor the backend refuses while the others wait in the call (after
+    a call that works, so each transport is past its first, lazily connecting, call)."""
     smddp_lite.init(timeout=timedelta(seconds=60))
-    bad = torch.ones(3, dtype=torch.float8_e4m3fn) if dist.get_rank() == 1 else torch.ones(3)
-    return _error_of(lambda: dist.all_reduce(bad))
+    dist.all_reduce(torch.ones(3))
+    refuser = dist.get_world_size() - 1
+    if dist.get_rank() == refuser:
+        time.sleep(0.5)  # the others are inside the call by now
+    bad = torch.ones(3, dtype=torch.float8_e4m3fn) if dist.get_rank() == refuser else torch.ones(3)
+    error = _error_of(lambda: dist.all_reduce(bad))
+    if dist.get_rank() == refuser:
+        # stay alive, as a script that catches the error and goes on does: the others must not
+        # learn of the refusal only when this process exits and its sockets close
+        time.sleep(5)
+    return error
 
 
 def peer_dies() -> dict:

@@ -131,10 +131,11 @@ def test_report_fits_each_algorithms_cpu_time_on_its_own_run_and_judges_the_rest
     report = capsys.readouterr().out
     assert "| one flat ring over all ranks | 8 x 1 flat float32 | 300 |" in report
     assert "| the hierarchical inter-host groups | 4 x 1 hierarchical bfloat16 | 490 |" in report
-    assert "worst 0.0%, 35 of 35 within 20%" in report
+    assert "worst 0.0%, 40 of 40 within 20%" in report
     judged = [line for line in report.splitlines() if "MiB |" in line]
     assert not [line for line in judged if line.startswith("| 8 x 1") or line.startswith("| 4 x 1 | hier")]
-    assert len(judged) == 35
+    assert len(judged) == 40  # 8 held-out configurations x 5 sizes from 1 MiB, 2 x 4 hierarchical among them
+    assert len([line for line in judged if line.startswith("| 2 x 4 | hierarchical | float32 |")]) == 5
 
 
 def test_report_without_the_flat_cpu_run_says_which_run_to_measure(tmp_path, monkeypatch):

@@ -56,12 +56,35 @@ def test_mismatched_calls_raise_on_every_rank(transport, kind):
         assert error["seconds"] < 30, error
 
 
-def test_rank_refusing_a_call_releases_its_waiting_peer():
-    reports = harness.values(harness.launch("tests.programs:one_rank_refuses", 2, env={"SMDDP_TRANSPORT": "shm"}))
-    assert reports[1]["type"] == "ValueError" and "float8_e4m3fn" in reports[1]["message"]
-    # rank 0 is inside the all_reduce when rank 1 refuses it: it hears so, long before the timeout
-    assert reports[0]["backend_error"] and "rank 1 refused this call" in reports[0]["message"], reports[0]
-    assert reports[0]["seconds"] < 20
+REFUSAL_LAUNCHES = {  # transport: (ranks, launch arguments)
+    "shm": (2, {"env": {"SMDDP_TRANSPORT": "shm"}}),
+    "gloo": (2, {"env": {"SMDDP_TRANSPORT": "gloo"}}),
+    # 2 simulated hosts x 2 ranks: rank 3's host peer waits in shared memory, the others in gloo
+    "hierarchical": (4, {"env": {"SMDDP_ALGORITHM": "hierarchical"}, "hosts_of": 2}),
+    "mpi": (2, {"env": {"SMDDP_TRANSPORT": "mpi"}}),
+}
+
+
+@pytest.mark.parametrize("transport", sorted(REFUSAL_LAUNCHES))
+def test_rank_refusing_a_call_releases_its_waiting_peers(transport):
+    world, launch = REFUSAL_LAUNCHES[transport]
+    if transport == "mpi":
+        if harness.mpiexec() is None:
+            pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+        reports = harness.values(harness.launch_mpi("tests.programs:one_rank_refuses", world, **launch))
+    else:
+        reports = harness.values(harness.launch("tests.programs:one_rank_refuses", world, **launch))
+    refuser = world - 1
+    assert reports[refuser]["type"] == "ValueError" and "float8_e4m3fn" in reports[refuser]["message"]
+    # the others are inside the all_reduce when the last rank refuses it: each hears so and says
+    # why, long before the 60 s timeout (the group's default is 30 minutes)
+    for rank, report in enumerate(reports[:refuser]):
+        assert report["backend_error"], (rank, report)
+        # named as the user's group numbers it (the hierarchical transport's parts number their own)
+        assert report["message"].startswith(f"[smddp rank {rank}/{world} "), (rank, report)
+        assert f"rank {refuser} refused this call" in report["message"], (rank, report)
+        assert "float8_e4m3fn" in report["message"] and "can no longer be used" in report["message"], report
+        assert report["seconds"] < 4, (rank, report)  # the refusing rank lives 5 s after refusing
 
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))

@@ -12,6 +12,7 @@ import abc
 
 import torch
 
+from ..errors import where
 from ..ops import DTYPES, RedOp
 
 
@@ -31,10 +32,21 @@ class Transport(abc.ABC):
     call_index: int = 0
     """Index of the process-group call being run; identical on every rank that makes the same
     calls. Set by the process group before each call."""
+    refusals = None
+    shown_as: tuple[int, int] | None = None
+    """(rank, world size) that error messages name, when not this transport's own: the
+    hierarchical transport's parts are groups of their own, whose ranks users never see."""
+    """The group's RefusalBoard (refusals.py) for transports whose waits cannot otherwise learn
+    that a peer refused the call they wait in (gloo, MPI, the hierarchical transport's parts)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
+
+    def where(self, op: str) -> str:
+        """The prefix of this transport's error messages (errors.where), naming the rank as the
+        user's process group numbers it."""
+        return where(*(self.shown_as or (self.rank, self.world_size)), op)
 
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None: ...
@@ -68,8 +80,10 @@ class Transport(abc.ABC):
         return everyone.view(self.world_size, len(signature)).tolist()
 
     def reject(self, call_index: int, reason: str) -> None:
-        """This rank refused call ``call_index`` that peers may be waiting in; tell them if the
-        transport can (so they raise now instead of at the timeout)."""
+        """This rank refused call ``call_index`` that peers may be waiting in; tell them (so they
+        raise now instead of at the timeout)."""
+        if self.refusals is not None:
+            self.refusals.post(call_index, self.rank, reason)
 
     def close(self) -> None:
         """Release resources. Idempotent."""

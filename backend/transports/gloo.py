@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..errors import PeerFailureError, where
+from ..errors import PeerFailureError
 from ..ops import RedOp
 from .base import Transport
+from .refusals import POLL
 
 _TORCH_OP = {
     RedOp.SUM: dist.ReduceOp.SUM,
@@ -24,6 +25,13 @@ _TORCH_OP = {
 }
 
 
+_SLICE_ENDED = "Operation timed out!"  # what c10d's Work.wait(timeout) raises when the bound passes
+
+
+class _SliceEnded(Exception):
+    """A bounded wait for gloo work ended before the work did."""
+
+
 class GlooTransport(Transport):
     name = "gloo"
 
@@ -32,10 +40,28 @@ class GlooTransport(Transport):
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
 
     def _run(self, op: str, work) -> None:
+        while self.refusals is not None and not self._waited_one_slice(op, work):
+            self.refusals.raise_if_refused(self.call_index, self.where(op))  # a peer never entering
+        self._wait(op, work, None)
+
+    def _waited_one_slice(self, op: str, work) -> bool:
+        """Wait up to one refusal poll for ``work``; True once it is done. Waits that end sooner
+        return at once, as an unbounded one would. (Gloo's reduce_scatter ignores the bound and
+        waits to the end, so a refusal is heard there only through the group timeout.)"""
         try:
-            work.wait()
-        except Exception as exc:  # Gloo's own text names the peer and the socket error
-            raise PeerFailureError(f"{where(self.rank, self.world_size, op)} gloo failed: {exc}") from exc
+            self._wait(op, work, POLL)
+            return True
+        except _SliceEnded:
+            return False
+
+    def _wait(self, op: str, work, timeout) -> None:
+        try:
+            work.wait() if timeout is None else work.wait(timeout)
+        except Exception as exc:
+            if timeout is not None and _SLICE_ENDED in str(exc):
+                raise _SliceEnded from None
+            # Gloo's own text names the peer and the socket error
+            raise PeerFailureError(f"{self.where(op)} gloo failed: {exc}") from exc
 
     def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
         self.all_reduce_async(tensor, op)()

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ..ops import LOW_PRECISION, RedOp
 from .base import Transport
 from .gloo import GlooTransport
+from .refusals import RefusalBoard
 
 log = logging.getLogger("smddp_lite")
 
@@ -82,6 +83,23 @@ class HierarchicalTransport(Transport):
         # node-major rank order; identity for the usual launch (ranks numbered host by host)
         self.order = [r for ranks in topology.local for r in ranks]
         self._logged: set[tuple[str, bool]] = set()
+        # A refusal of one of this group's calls is posted under the group's call index, and every
+        # part looks for it there, so a rank waiting in any of them hears of it: a peer on another
+        # host refusing the call (in gloo), or a peer on this host waiting in shared memory for a
+        # rank that raised when it heard of a refusal.
+        self.refusals = RefusalBoard(store)
+        for part in (self.intra, self.inter, self.flat):
+            part.refusals = self.refusals
+            part.shown_as = (rank, world_size)  # errors name the rank the user knows, not the part's
+
+    @property
+    def call_index(self) -> int:
+        return self.inter.call_index
+
+    @call_index.setter
+    def call_index(self, call: int) -> None:  # each part waits, and looks for refusals, in the group's call
+        for part in (self.intra, self.inter, self.flat):
+            part.call_index = call
 
     def _hierarchical(self, op: str, nbytes: int) -> bool:
         use = self.always or nbytes >= self.min_bytes

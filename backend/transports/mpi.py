@@ -15,6 +15,7 @@ import torch
 from ..errors import PeerFailureError, where
 from ..ops import RedOp
 from .base import Transport
+from .refusals import POLL_S
 
 
 def _mpi():
@@ -90,15 +91,20 @@ class MPITransport(Transport):
         then by a short sleep, so long waits for a busy peer do not burn a core.
         """
         start = time.monotonic()
+        next_check = start + POLL_S
         while not request.Test():
-            waited = time.monotonic() - start
+            now = time.monotonic()
+            waited = now - start
             if waited < _YIELD_FOR_S:
                 os.sched_yield()
                 continue
             time.sleep(_SLEEP_S)
+            if self.refusals is not None and now >= next_check:  # a peer that refused this call never enters it
+                self.refusals.raise_if_refused(self.call_index, self.where(op))
+                next_check = now + POLL_S
             if waited > self.timeout_s:
                 raise PeerFailureError(
-                    f"{where(self.rank, self.world_size, op)} MPI collective did not complete within "
+                    f"{self.where(op)} MPI collective did not complete within "
                     f"the process group timeout ({self.timeout_s:.0f} s); a peer may be stuck or "
                     "calling a different collective"
                 )

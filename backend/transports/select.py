@@ -10,6 +10,7 @@ import socket
 from ..errors import where
 from .base import Transport
 from .hierarchical import Topology
+from .refusals import RefusalBoard
 
 log = logging.getLogger("smddp_lite")
 
@@ -115,7 +116,10 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
             )
         from .mpi import MPITransport
 
-        return MPITransport(rank, world_size, global_ranks, timeout), reason
-    from .gloo import GlooTransport
+        transport = MPITransport(rank, world_size, global_ranks, timeout)
+    else:
+        from .gloo import GlooTransport
 
-    return GlooTransport(store, rank, world_size, timeout), reason
+        transport = GlooTransport(store, rank, world_size, timeout)
+    transport.refusals = RefusalBoard(store)  # shared memory and the hierarchical transport have their own
+    return transport, reason

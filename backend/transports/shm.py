@@ -52,6 +52,7 @@ class ShmTransport(Transport):
     def __init__(self, store, rank: int, world_size: int, chunk_bytes: int, timeout) -> None:
         super().__init__(rank, world_size)
         self.seg = ShmSegment(store, rank, world_size, chunk_bytes, timeout)
+        self.seg.refused = self._refusal
         self.seq = 0
         self.step = 0
         # float32 accumulator for 16-bit reductions: one chunk's worth of elements.
@@ -198,6 +199,19 @@ class ShmTransport(Transport):
 
     def reject(self, call_index: int, reason: str) -> None:
         self.seg.reject(call_index, reason)
+
+    @property
+    def shown_as(self) -> tuple[int, int] | None:  # the segment writes most of this transport's errors
+        return self.seg.shown_as
+
+    @shown_as.setter
+    def shown_as(self, value: tuple[int, int] | None) -> None:
+        self.seg.shown_as = value
+
+    def _refusal(self) -> str | None:
+        """A refusal of the current call posted on the group's board (set when this transport is
+        the host part of a hierarchical one); peers on this host use the segment's own flag."""
+        return None if self.refusals is None else self.refusals.refusal(self.call_index)
 
     def close(self) -> None:
         self.seg.close()

@@ -86,7 +86,7 @@ class ShmSegment:
         lines = "; ".join(f"rank {r}: {describe(tuple(int(v) for v in h))}" for r, h in enumerate(headers))
         self.broken = True
         raise CollectiveMismatchError(
-            f"{where(self.rank, self.world_size, self.op_desc)} ranks called different collectives "
+            f"{where(*(self.shown_as or (self.rank, self.world_size)), self.op_desc)} ranks called different collectives "
             f"({lines}). Every rank must call the same collectives in the same order with tensors "
             "of the same size and dtype; this process group can no longer be used."
         )
@@ -94,6 +94,8 @@ class ShmSegment:
     # control plane ---------------------------------------------------------------------------
     broken = False
     current_call = -1  # index of the process-group call this rank is inside; the transport sets it
+    refused = None  # the transport's look at its group's RefusalBoard, when its peers may refuse there
+    shown_as: tuple[int, int] | None = None  # the transport's (rank, world size) for messages, if not ours
 
     def barrier(self) -> None:
         """Advance this rank's phase and wait until every rank has reached it."""
@@ -126,6 +128,9 @@ class ShmSegment:
                 self._fail(f"rank {peer} aborted: {self._reason(peer)}")
             if self.control[peer, REJECTED] == self.current_call >= 0:
                 self._fail(f"rank {peer} refused this call: {self._reason(peer)}")
+        said = self.refused() if self.refused is not None else None
+        if said is not None:  # a rank on another host, seen by the whole group (hierarchical)
+            self._fail(said)
         pid = int(self.control[waiting_for, PID])
         if pid and not _alive(pid):
             self._fail(f"rank {waiting_for} (pid {pid}) died")
@@ -138,7 +143,7 @@ class ShmSegment:
     def _fail(self, what: str) -> None:
         self.mark_broken(what)
         raise PeerFailureError(
-            f"{where(self.rank, self.world_size, self.op_desc)} {what}. This process group can no "
+            f"{where(*(self.shown_as or (self.rank, self.world_size)), self.op_desc)} {what}. This process group can no "
             "longer be used; restart the job (or destroy and re-create the group)."
         )
 
