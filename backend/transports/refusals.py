@@ -33,11 +33,16 @@ class RefusalBoard:
         self._store.set(str(call), f"rank {rank} refused this call: {reason}")
 
     def refusal(self, call: int) -> str | None:
-        """What a refusing rank said of call ``call``, or None if no rank refused it."""
+        """What a refusing rank said of call ``call``, or None if no rank refused it, or if the
+        store cannot be reached (its host died: the transport reports that peer's failure itself,
+        naming it, which a store error would not)."""
         key = str(call)
-        if not self._store.check([key]):
+        try:
+            if not self._store.check([key]):
+                return None
+            return self._store.get(key).decode(errors="replace")
+        except (RuntimeError, OSError):  # DistStoreError and socket errors
             return None
-        return self._store.get(key).decode(errors="replace")
 
     def raise_if_refused(self, call: int, prefix: str) -> None:
         """Raise PeerFailureError (its text after ``prefix``, errors.where's) on this waiting
