@@ -41,9 +41,12 @@ def _device_aware(method):
         if paths.nccl is not None:
             from .cuda.nccl_path import NeedsStaging
 
+            numbered = self._calls
             try:
                 return method(self, *args, **kwargs)
             except NeedsStaging as why:  # raised before anything was enqueued: stage the same call
+                # under the same call number, as a rank that refuses the call uses one (refusals.py)
+                self._calls = numbered
                 log.debug("smddp: %s on %s goes through host memory: %s", method.__name__, device, why)
         return paths.staged.run(method.__name__, functools.partial(method, self), args, kwargs, device)
 
@@ -125,7 +128,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         except (TypeError, ValueError, RuntimeError) as exc:
             message = f"{where(self.rank(), self.size(), op)} {exc}"
             if not self._closed:
-                self._comm.submit(lambda: self.transport.reject(call, message), self._work(op, []))
+                self._comm.submit(lambda: self._refused(op, call, message), self._work(op, []))
             raise ValueError(message) from None
         if tensors and tensors[0].is_cuda:
             if nccl is None or self._cuda.nccl is None:
@@ -150,6 +153,14 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 raise
 
         return self._comm.submit(run, self._work(op, outputs))
+
+    def _refused(self, op: str, call: int, message: str) -> None:
+        """On the communication thread, in call order: tell peers this rank refused ``call``;
+        if some were inside it and left, this rank's later calls must not go on (they would pair
+        with the operations those peers left posted)."""
+        cannot_go_on = self.transport.reject(call, message)
+        if cannot_go_on and self._failure is None:
+            self._failure = f"{where(self.rank(), self.size(), op)} {cannot_go_on}"
 
     def _work(self, op: str, outputs: list[torch.Tensor]) -> SMDDPWork:
         return SMDDPWork(where(self.rank(), self.size(), op), outputs, self.timeout)

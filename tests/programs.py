@@ -66,9 +66,11 @@ def mismatch(kind: str) -> dict:
     return _error_of(calls[kind])
 
 
-def one_rank_refuses() -> dict:
+def one_rank_refuses(retry: bool = False) -> dict:
     """The last rank passes a tensor the backend refuses while the others wait in the call (after
-    a call that works, so each transport is past its first, lazily connecting, call)."""
+    a call that works, so each transport is past its first, lazily connecting, call). With
+    ``retry`` it then calls again at once with good input, as a script that catches the error
+    and goes on does: that call must raise too, not pair with the call the others left."""
     smddp_lite.init(timeout=timedelta(seconds=60))
     dist.all_reduce(torch.ones(3))
     refuser = dist.get_world_size() - 1
@@ -77,10 +79,29 @@ def one_rank_refuses() -> dict:
     bad = torch.ones(3, dtype=torch.float8_e4m3fn) if dist.get_rank() == refuser else torch.ones(3)
     error = _error_of(lambda: dist.all_reduce(bad))
     if dist.get_rank() == refuser:
-        # stay alive, as a script that catches the error and goes on does: the others must not
-        # learn of the refusal only when this process exits and its sockets close
+        if retry:
+            error["retry"] = _error_of(lambda: dist.all_reduce(torch.ones(3)))
+        # stay alive: the others must not learn of the refusal only when this process exits and
+        # its sockets close
         time.sleep(5)
     return error
+
+
+def refusal_then_group_made_again() -> list[float]:
+    """Every rank refuses call #2, the group is destroyed and made again on the same store, and
+    the new group's call #2 waits 0.5 s for rank 1: the old refusal must not fail it."""
+    for incarnation in range(2):
+        smddp_lite.init(timeout=timedelta(seconds=60))
+        dist.all_reduce(torch.ones(3))  # call #1
+        if incarnation == 0:
+            _error_of(lambda: dist.all_reduce(torch.ones(3, dtype=torch.float8_e4m3fn)))  # refused everywhere
+            dist.destroy_process_group()
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.tolist()
 
 
 def peer_dies() -> dict:

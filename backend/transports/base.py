@@ -33,11 +33,11 @@ class Transport(abc.ABC):
     """Index of the process-group call being run; identical on every rank that makes the same
     calls. Set by the process group before each call."""
     refusals = None
+    """The group's RefusalBoard (refusals.py) for transports whose waits cannot otherwise learn
+    that a peer refused the call they wait in (gloo, MPI, the hierarchical transport's parts)."""
     shown_as: tuple[int, int] | None = None
     """(rank, world size) that error messages name, when not this transport's own: the
     hierarchical transport's parts are groups of their own, whose ranks users never see."""
-    """The group's RefusalBoard (refusals.py) for transports whose waits cannot otherwise learn
-    that a peer refused the call they wait in (gloo, MPI, the hierarchical transport's parts)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -79,11 +79,13 @@ class Transport(abc.ABC):
         self.all_gather(everyone, mine)
         return everyone.view(self.world_size, len(signature)).tolist()
 
-    def reject(self, call_index: int, reason: str) -> None:
+    def reject(self, call_index: int, reason: str) -> str | None:
         """This rank refused call ``call_index`` that peers may be waiting in; tell them (so they
-        raise now instead of at the timeout)."""
+        raise now instead of at the timeout). Returns why this group cannot go on, if peers were
+        left inside the call (RefusalBoard.post), else None."""
         if self.refusals is not None:
-            self.refusals.post(call_index, self.rank, reason)
+            return self.refusals.post(call_index, reason)
+        return None
 
     def close(self) -> None:
         """Release resources. Idempotent."""

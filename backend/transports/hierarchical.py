@@ -87,7 +87,7 @@ class HierarchicalTransport(Transport):
         # part looks for it there, so a rank waiting in any of them hears of it: a peer on another
         # host refusing the call (in gloo), or a peer on this host waiting in shared memory for a
         # rank that raised when it heard of a refusal.
-        self.refusals = RefusalBoard(store)
+        self.refusals = RefusalBoard(store, rank, world_size, timeout)
         for part in (self.intra, self.inter, self.flat):
             part.refusals = self.refusals
             part.shown_as = (rank, world_size)  # errors name the rank the user knows, not the part's

@@ -8,10 +8,17 @@ into the group's store, and a rank waiting in gloo, MPI or (under the hierarchic
 shared memory looks for the key of its own call every ``POLL_S`` and raises with the refusing
 rank's message. Keys are written only on refusals, and looked up only by waits that have already
 lasted ``POLL_S``, so a collective that completes in time never touches the store.
+
+A peer that leaves a call this way leaves its gloo or MPI operation posted, and gloo and MPI
+match operations by order: the refusing rank's next call would pair with it and mix the two
+calls' data. So every rank records its outcome of a refused call (refused it too, or left it),
+and the refusing rank's next call waits for all of them: if every rank refused, the group goes
+on; if any left, the group is failed on the refusing rank too.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -20,40 +27,81 @@ from ..errors import PeerFailureError
 
 POLL_S = 0.05
 """How often a waiting rank looks for a refusal of its call (each look is one store round trip)."""
+POLL = timedelta(seconds=POLL_S)
+SLOW_POLL_AFTER_S = 5.0
+SLOW_POLL_S = 1.0
+"""A wait that has lasted SLOW_POLL_AFTER_S looks only every SLOW_POLL_S: a refusal comes before
+a call starts, so it is nearly always heard early, and hundreds of ranks waiting for one slow
+rank would otherwise send thousands of requests a second to the store's host."""
+
+REFUSED, LEFT = "refused", "left"
 
 
 class RefusalBoard:
     """The keys of one process group's refused calls, in that group's store."""
 
-    def __init__(self, store) -> None:
-        self._store = dist.PrefixStore("smddp-refused", store)
+    def __init__(self, store, rank: int, world_size: int, timeout: timedelta) -> None:
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        # A group destroyed and made again under the same store prefix (destroy_process_group
+        # and a new init on torchrun's agent store, say) numbers its calls from 1 again: the
+        # keys of each incarnation live apart, so an old refusal cannot fail a new call. Every
+        # rank of the group adds 1 while the group is made, so each computes the same number.
+        incarnation = (store.add("smddp-refused/incarnations", 1) - 1) // world_size
+        self._store = dist.PrefixStore(f"smddp-refused/{incarnation}", store)
+        self._looking_at = (0, 0.0, 0.0)  # (call, first look, last look) of the current wait
 
-    def post(self, call: int, rank: int, reason: str) -> None:
-        """Rank ``rank`` refused call ``call`` because of ``reason`` (its own error text)."""
-        self._store.set(str(call), f"rank {rank} refused this call: {reason}")
+    # the refusing rank ----------------------------------------------------------------------------
+    def post(self, call: int, reason: str) -> str | None:
+        """This rank refused call ``call`` because of ``reason`` (its error text). Returns None
+        once every rank has refused it too (the group goes on), or why the group cannot go on:
+        ranks that were inside the call and left it hold operations that this rank's next call
+        would pair with."""
+        key = str(call)
+        self._store.set(key, f"rank {self.rank} refused this call: {reason}")
+        self._store.set(f"{key}/{self.rank}", REFUSED)
+        outcomes = [f"{key}/{r}" for r in range(self.world_size)]
+        try:
+            self._store.wait(outcomes, self.timeout)
+        except (RuntimeError, OSError) as exc:  # DistStoreError: the timeout, or the store's host died
+            return f"this rank refused call #{call}, and could not learn whether its peers entered it ({exc})"
+        left = [r for r, k in enumerate(outcomes) if self._store.get(k).decode() == LEFT]
+        if not left:
+            return None
+        return (f"this rank refused call #{call} while rank(s) {', '.join(map(str, left))} were inside it; they "
+                "left it with an error, but their operations stay posted and would pair with this rank's next "
+                "call, so the ranks' calls no longer line up. This process group can no longer be used; fix the "
+                "input and restart the job (or destroy and re-create the group).")
 
-    def refusal(self, call: int) -> str | None:
-        """What a refusing rank said of call ``call``, or None if no rank refused it, or if the
-        store cannot be reached (its host died: the transport reports that peer's failure itself,
+    # a waiting rank -------------------------------------------------------------------------------
+    def heard(self, call: int) -> str | None:
+        """What a refusing rank said of call ``call``, recording that this rank leaves the call;
+        None if no rank refused it, if the current wait looked too recently, or if the store
+        cannot be reached (its host died: the transport reports that peer's failure itself,
         naming it, which a store error would not)."""
+        now = time.monotonic()
+        looked_call, first, last = self._looking_at
+        if looked_call != call:
+            first = last = now
+        elif now - first > SLOW_POLL_AFTER_S and now - last < SLOW_POLL_S:
+            return None
+        self._looking_at = (call, first, now)
         key = str(call)
         try:
             if not self._store.check([key]):
                 return None
-            return self._store.get(key).decode(errors="replace")
+            said = self._store.get(key).decode(errors="replace")
+            self._store.set(f"{key}/{self.rank}", LEFT)
         except (RuntimeError, OSError):  # DistStoreError and socket errors
             return None
+        return said
 
     def raise_if_refused(self, call: int, prefix: str) -> None:
         """Raise PeerFailureError (its text after ``prefix``, errors.where's) on this waiting
         rank if a peer refused call ``call``."""
-        said = self.refusal(call)
+        said = self.heard(call)
         if said is not None:
             raise PeerFailureError(
                 f"{prefix} {said}. The call cannot complete without that rank, and this "
                 "rank is left inside it, so this process group can no longer be used; fix the input on that "
                 "rank and restart the job (or destroy and re-create the group)."
             )
-
-
-POLL = timedelta(seconds=POLL_S)

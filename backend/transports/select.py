@@ -121,5 +121,5 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
         from .gloo import GlooTransport
 
         transport = GlooTransport(store, rank, world_size, timeout)
-    transport.refusals = RefusalBoard(store)  # shared memory and the hierarchical transport have their own
+    transport.refusals = RefusalBoard(store, rank, world_size, timeout)  # shared memory and the hierarchical transport have their own
     return transport, reason

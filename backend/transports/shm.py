@@ -198,6 +198,7 @@ class ShmTransport(Transport):
         self._sync(self._begin("barrier", None, 0, 0))
 
     def reject(self, call_index: int, reason: str) -> None:
+        # peers that leave the call mark the segment broken, which this rank's next call sees
         self.seg.reject(call_index, reason)
 
     @property
@@ -211,7 +212,7 @@ class ShmTransport(Transport):
     def _refusal(self) -> str | None:
         """A refusal of the current call posted on the group's board (set when this transport is
         the host part of a hierarchical one); peers on this host use the segment's own flag."""
-        return None if self.refusals is None else self.refusals.refusal(self.call_index)
+        return None if self.refusals is None else self.refusals.heard(self.call_index)
 
     def close(self) -> None:
         self.seg.close()
