@@ -87,23 +87,6 @@ def one_rank_refuses(retry: bool = False) -> dict:
     return error
 
 
-def refusal_then_group_made_again() -> list[float]:
-    """Every rank refuses call #2, the group is destroyed and made again on the same store, and
-    the new group's call #2 waits 0.5 s for rank 1: the old refusal must not fail it."""
-    for incarnation in range(2):
-        smddp_lite.init(timeout=timedelta(seconds=60))
-        dist.all_reduce(torch.ones(3))  # call #1
-        if incarnation == 0:
-            _error_of(lambda: dist.all_reduce(torch.ones(3, dtype=torch.float8_e4m3fn)))  # refused everywhere
-            dist.destroy_process_group()
-    if dist.get_rank() == 1:
-        time.sleep(0.5)
-    t = torch.ones(3)
-    dist.all_reduce(t)
-    dist.destroy_process_group()
-    return t.tolist()
-
-
 def peer_dies() -> dict:
     """Rank 1 exits abruptly; rank 0's next collective must raise naming it, well before the timeout."""
     smddp_lite.init(timeout=timedelta(seconds=120))

@@ -99,13 +99,6 @@ def test_rank_refusing_a_call_releases_its_waiting_peers(transport, retry):
         assert "float8_e4m3fn" in report["message"], (rank, report)
 
 
-def test_refusal_of_a_destroyed_group_does_not_fail_the_group_made_again():
-    # gloo: refusals go through the store, which outlives the group (torchrun's agent store)
-    values = harness.values(harness.launch("tests.programs:refusal_then_group_made_again", 2,
-                                           env={"SMDDP_TRANSPORT": "gloo"}))
-    assert values == [[2.0, 2.0, 2.0]] * 2
-
-
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
 def test_dead_peer_raises_naming_rank_and_op(transport):
     results = harness.launch("tests.programs:peer_dies", 2, env=TRANSPORT_ENVS[transport])
