@@ -40,9 +40,11 @@ class GlooTransport(Transport):
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
 
     def _run(self, op: str, work) -> None:
-        while self.refusals is not None and not self._waited_one_slice(op, work):
+        if self.refusals is None:
+            return self._wait(op, work, None)
+        while not self._waited_one_slice(op, work):
             self.refusals.raise_if_refused(self.call_index, self.where(op))  # a peer never entering
-        self._wait(op, work, None)
+        return None
 
     def _waited_one_slice(self, op: str, work) -> bool:
         """Wait up to one refusal poll for ``work``; True once it is done. Waits that end sooner

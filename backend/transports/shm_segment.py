@@ -86,7 +86,7 @@ class ShmSegment:
         lines = "; ".join(f"rank {r}: {describe(tuple(int(v) for v in h))}" for r, h in enumerate(headers))
         self.broken = True
         raise CollectiveMismatchError(
-            f"{where(*(self.shown_as or (self.rank, self.world_size)), self.op_desc)} ranks called different collectives "
+            f"{self._where()} ranks called different collectives "
             f"({lines}). Every rank must call the same collectives in the same order with tensors "
             "of the same size and dtype; this process group can no longer be used."
         )
@@ -140,10 +140,14 @@ class ShmSegment:
                 f"({self.timeout_s:.0f} s); it may be stuck or calling a different collective"
             )
 
+    def _where(self) -> str:
+        """The prefix of the segment's errors, naming the rank as the user's group numbers it."""
+        return where(*(self.shown_as or (self.rank, self.world_size)), self.op_desc)
+
     def _fail(self, what: str) -> None:
         self.mark_broken(what)
         raise PeerFailureError(
-            f"{where(*(self.shown_as or (self.rank, self.world_size)), self.op_desc)} {what}. This process group can no "
+            f"{self._where()} {what}. This process group can no "
             "longer be used; restart the job (or destroy and re-create the group)."
         )
 
