@@ -11,10 +11,11 @@ else through host memory and the CPU path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -28,13 +29,18 @@ from .work import CommThread, SMDDPWork
 log = logging.getLogger("smddp_lite")
 
 
-def _device_aware(method):
-    """Route a collective on CUDA tensors: NCCL where the group has it and it can run the call,
-    else the CPU path on host copies (backend/cuda/staged.py). CPU calls pass straight through."""
+def _device_aware(op: str):
+    """Route a collective (``op``, as errors name it) on CUDA tensors: NCCL where the group has it
+    and it can run the call, else the CPU path on host copies (backend/cuda/staged.py). CPU calls
+    pass straight through."""
+    return functools.partial(_route_by_device, op)
 
+
+def _route_by_device(op: str, method):
     @functools.wraps(method)
     def route(self: ProcessGroupSMDDP, *args, **kwargs):
-        device = _cuda_device(self, method.__name__, args)
+        with self._preparing(op):
+            device = _cuda_device(args)
         if device is None:
             return method(self, *args, **kwargs)
         paths = self._cuda_paths()
@@ -53,7 +59,7 @@ def _device_aware(method):
     return route
 
 
-def _cuda_device(pg: ProcessGroupSMDDP, op: str, args: tuple) -> torch.device | None:
+def _cuda_device(args: tuple) -> torch.device | None:
     """The CUDA device of the call's tensors; None for CPU calls. Tensors on several devices are
     refused: a collective runs on one. (Plain loops: this runs on every call, CPU ones too.)"""
     tensors = []
@@ -74,8 +80,8 @@ def _cuda_device(pg: ProcessGroupSMDDP, op: str, args: tuple) -> torch.device | 
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         found = ", ".join(sorted(str(d) for d in devices))
-        raise ValueError(f"{where(pg.rank(), pg.size(), op)} tensors are on several devices ({found}); a "
-                         "collective takes tensors on one device: move them with .to(device) first")
+        raise ValueError(f"tensors are on several devices ({found}); a collective takes tensors on one "
+                         "device: move them with .to(device) first")
     return devices.pop()
 
 
@@ -126,10 +132,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 self._check_tensor(op, t)
             check()
         except (TypeError, ValueError, RuntimeError) as exc:
-            message = f"{where(self.rank(), self.size(), op)} {exc}"
-            if not self._closed:
-                self._comm.submit(lambda: self._refused(op, call, message), self._work(op, []))
-            raise ValueError(message) from None
+            self._refuse(op, call, exc)
         if tensors and tensors[0].is_cuda:
             if nccl is None or self._cuda.nccl is None:
                 from .cuda.nccl_path import NeedsStaging
@@ -153,6 +156,26 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 raise
 
         return self._comm.submit(run, self._work(op, outputs))
+
+    @contextlib.contextmanager
+    def _preparing(self, op: str):
+        """Around what a call does with its arguments before ``_run`` numbers it (reading the
+        reduce op, listing the tensors, finding their device): bad arguments there are refused
+        as ``_run``'s checks refuse them, under a call number of their own, so that peers waiting
+        in the call hear of it and this rank's later calls keep the numbers its peers give them."""
+        try:
+            yield
+        except (TypeError, ValueError) as exc:
+            self._calls += 1
+            self._refuse(op, self._calls, exc)
+
+    def _refuse(self, op: str, call: int, exc: Exception) -> NoReturn:
+        """Raise ``exc`` on this rank as a ValueError naming rank and op, after queueing the
+        refusal of ``call`` for its peers (on the communication thread, after earlier calls)."""
+        message = f"{where(self.rank(), self.size(), op)} {exc}"
+        if not self._closed:
+            self._comm.submit(lambda: self._refused(op, call, message), self._work(op, []))
+        raise ValueError(message) from None
 
     def _refused(self, op: str, call: int, message: str) -> None:
         """On the communication thread, in call order: tell peers this rank refused ``call``;
@@ -195,28 +218,31 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return ops.from_torch(getattr(opts, "reduceOp", opts))
 
     # collectives -------------------------------------------------------------------------------
-    @_device_aware
+    @_device_aware("all_reduce")
     def allreduce(self, tensors, opts=None):
-        tensors = _as_list(tensors)
-        op = self._reduce_op(opts or dist.AllreduceOptions())
+        with self._preparing("all_reduce"):
+            tensors = _as_list(tensors)
+            op = self._reduce_op(opts or dist.AllreduceOptions())
         return self._run("all_reduce", tensors, tensors, lambda: _same_ops(op, tensors),
                          lambda: self.collectives.all_reduce(tensors, op), lambda n: n.all_reduce(tensors, op))
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
-    @_device_aware
+    @_device_aware("broadcast")
     def broadcast(self, tensors, opts=None):
-        tensors = _as_list(tensors)
+        with self._preparing("broadcast"):
+            tensors = _as_list(tensors)
         root = getattr(opts, "rootRank", 0) if opts is not None else 0
         return self._run("broadcast", tensors, tensors, lambda: self._root(root),
                          lambda: self.collectives.broadcast(tensors, root), lambda n: n.broadcast(tensors, root))
 
-    @_device_aware
+    @_device_aware("reduce")
     def reduce(self, tensors, opts=None):
-        tensors = _as_list(tensors)
         opts = opts or dist.ReduceOptions()
-        op, root = self._reduce_op(opts), opts.rootRank
+        with self._preparing("reduce"):
+            tensors = _as_list(tensors)
+            op, root = self._reduce_op(opts), opts.rootRank
 
         def check() -> None:
             self._root(root)
@@ -226,11 +252,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return self._run("reduce", tensors, tensors, check, lambda: self.collectives.reduce(tensors[0], root, op),
                          lambda n: n.reduce(tensors[0], root, op))
 
-    @_device_aware
+    @_device_aware("all_gather")
     def allgather(self, output_tensors, input_tensors, opts=None):
-        inputs = _as_list(input_tensors)
-        outputs = output_tensors[0] if output_tensors and isinstance(output_tensors[0], (list, tuple)) else output_tensors
-        outputs = list(outputs)
+        with self._preparing("all_gather"):
+            inputs = _as_list(input_tensors)
+            outputs = list(_inner_list(output_tensors))
 
         def check() -> None:
             _one_tensor("all_gather", inputs)
@@ -249,7 +275,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         works = [self.allgather([outs], [inp], opts) for outs, inp in zip(output_lists, input_list)]
         return works[-1] if works else self.barrier()
 
-    @_device_aware
+    @_device_aware("all_gather_into_tensor")
     def all_gather_single(self, output, input, opts=None):
         check = lambda: self._sized("all_gather_into_tensor", output, input, self.size())  # noqa: E731
         return self._run("all_gather_into_tensor", [output, input], [output], check,
@@ -263,12 +289,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    @_device_aware
+    @_device_aware("reduce_scatter")
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        outputs = _as_list(output_tensors)
-        inputs = input_tensors[0] if input_tensors and isinstance(input_tensors[0], (list, tuple)) else input_tensors
-        inputs = list(inputs)
-        op = self._reduce_op(opts or dist.ReduceScatterOptions())
+        with self._preparing("reduce_scatter"):
+            inputs = list(_inner_list(input_tensors))
+            outputs = _as_list(output_tensors)
+            op = self._reduce_op(opts or dist.ReduceScatterOptions())
 
         def check() -> None:
             _one_tensor("reduce_scatter", outputs)
@@ -281,9 +307,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return self._run("reduce_scatter", outputs + inputs, outputs, check, body,
                          lambda n: n.reduce_scatter_list(outputs[0], inputs, op))
 
-    @_device_aware
+    @_device_aware("reduce_scatter_tensor")
     def reduce_scatter_single(self, output, input, opts=None):
-        op = self._reduce_op(opts or dist.ReduceScatterOptions())
+        with self._preparing("reduce_scatter_tensor"):
+            op = self._reduce_op(opts or dist.ReduceScatterOptions())
 
         def check() -> None:
             self._sized("reduce_scatter_tensor", input, output, self.size())
@@ -301,7 +328,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    @_device_aware
+    @_device_aware("all_to_all_single")
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         def check() -> None:
             self._sized("all_to_all_single", output, input, 1)
@@ -410,6 +437,13 @@ def _as_list(tensors) -> list[torch.Tensor]:
     if not tensors:
         raise ValueError("expected at least one tensor, found an empty list")
     return tensors
+
+
+def _inner_list(tensor_lists):
+    """The one list of ``[[t0, t1, ...]]`` (c10d's list-of-lists form), or the list itself."""
+    if tensor_lists and isinstance(tensor_lists[0], (list, tuple)):
+        return tensor_lists[0]
+    return tensor_lists
 
 
 def _one_tensor(op: str, tensors: list[torch.Tensor]) -> None:

@@ -66,18 +66,34 @@ def mismatch(kind: str) -> dict:
     return _error_of(calls[kind])
 
 
-def one_rank_refuses(retry: bool = False) -> dict:
-    """The last rank passes a tensor the backend refuses while the others wait in the call (after
-    a call that works, so each transport is past its first, lazily connecting, call). With
-    ``retry`` it then calls again at once with good input, as a script that catches the error
-    and goes on does: that call must raise too, not pair with the call the others left."""
+def _reduce_scatter(dtype: torch.dtype = torch.float32) -> None:
+    dist.reduce_scatter_tensor(torch.empty(3, dtype=dtype), torch.ones(3 * dist.get_world_size(), dtype=dtype))
+
+
+REFUSED_CALLS = {  # kind: (the call every other rank makes, the call the refusing rank makes)
+    # refused by the tensor checks
+    "dtype": (lambda: dist.all_reduce(torch.ones(3)), lambda: dist.all_reduce(torch.ones(3, dtype=torch.float8_e4m3fn))),
+    # refused while reading the reduce op, before the checks
+    "op": (lambda: dist.all_reduce(torch.ones(3)),
+           lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0))),
+    # the others wait in a reduce_scatter
+    "reduce_scatter": (_reduce_scatter, lambda: _reduce_scatter(torch.float8_e4m3fn)),
+}
+
+
+def one_rank_refuses(retry: bool = False, kind: str = "dtype") -> dict:
+    """The last rank makes a call the backend refuses (``REFUSED_CALLS[kind]``) while the others
+    wait inside theirs (after a call that works, so each transport is past its first, lazily
+    connecting, call). With ``retry`` it then calls again at once with good input, as a script
+    that catches the error and goes on does: that call must raise too, not pair with the call
+    the others left."""
     smddp_lite.init(timeout=timedelta(seconds=60))
     dist.all_reduce(torch.ones(3))
     refuser = dist.get_world_size() - 1
     if dist.get_rank() == refuser:
         time.sleep(0.5)  # the others are inside the call by now
-    bad = torch.ones(3, dtype=torch.float8_e4m3fn) if dist.get_rank() == refuser else torch.ones(3)
-    error = _error_of(lambda: dist.all_reduce(bad))
+    waits, refuses = REFUSED_CALLS[kind]
+    error = _error_of(refuses if dist.get_rank() == refuser else waits)
     if dist.get_rank() == refuser:
         if retry:
             error["retry"] = _error_of(lambda: dist.all_reduce(torch.ones(3)))

@@ -65,23 +65,36 @@ REFUSAL_LAUNCHES = {  # transport: (ranks, launch arguments)
 }
 
 
+# what the refusing rank's error says, by what it passed (programs.REFUSED_CALLS)
+REFUSAL_WORDS = {"dtype": "float8_e4m3fn", "op": "PREMUL_SUM", "reduce_scatter": "float8_e4m3fn"}
+REFUSAL_CASES = [(transport, "dtype") for transport in sorted(REFUSAL_LAUNCHES)] + [
+    # refused while the call reads its arguments, before its checks: on transports whose waits
+    # hear of refusals only through the store, the call must still be numbered and announced
+    ("gloo", "op"), ("mpi", "op"),
+]
+
+
 @pytest.mark.parametrize("retry", [False, True], ids=["refuser-stops", "refuser-retries"])
-@pytest.mark.parametrize("transport", sorted(REFUSAL_LAUNCHES))
-def test_rank_refusing_a_call_releases_its_waiting_peers(transport, retry):
+@pytest.mark.parametrize("transport,kind", REFUSAL_CASES)
+def test_rank_refusing_a_call_releases_its_waiting_peers(transport, kind, retry):
     world, launch = REFUSAL_LAUNCHES[transport]
     if transport == "mpi":
         if harness.mpiexec() is None:
             pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
-        reports = harness.values(harness.launch_mpi("tests.programs:one_rank_refuses", world, retry=retry, **launch))
+        reports = harness.values(harness.launch_mpi("tests.programs:one_rank_refuses", world, retry=retry, kind=kind,
+                                                    **launch))
     else:
-        reports = harness.values(harness.launch("tests.programs:one_rank_refuses", world, retry=retry, **launch))
+        reports = harness.values(harness.launch("tests.programs:one_rank_refuses", world, retry=retry, kind=kind,
+                                                **launch))
     refuser = world - 1
     if retry:  # its next call would pair with the operations the others left posted: it must fail
         again = reports[refuser]["retry"]
         assert again["backend_error"] and "can no longer be used" in again["message"], again
         if transport != "shm":  # shm's own check sees the call numbers differ (CollectiveMismatchError)
             assert "were inside it" in again["message"] and "no longer line up" in again["message"], again
-    assert reports[refuser]["type"] == "ValueError" and "float8_e4m3fn" in reports[refuser]["message"]
+    words = REFUSAL_WORDS[kind]
+    assert reports[refuser]["type"] == "ValueError" and words in reports[refuser]["message"], reports[refuser]
+    assert reports[refuser]["message"].startswith(f"[smddp rank {refuser}/{world} "), reports[refuser]
     # the others are inside the all_reduce when the last rank refuses it: each hears so and says
     # why, long before the 60 s timeout (the group's default is 30 minutes)
     for rank, report in enumerate(reports[:refuser]):
@@ -96,7 +109,7 @@ def test_rank_refusing_a_call_releases_its_waiting_peers(transport, retry):
             assert f"rank {refuser}: call #3" in report["message"], (rank, report)
             continue
         assert f"rank {refuser} refused this call" in report["message"], (rank, report)
-        assert "float8_e4m3fn" in report["message"], (rank, report)
+        assert words in report["message"], (rank, report)
 
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
