@@ -49,6 +49,17 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BITWISE_OPS = (RedOp.BAND, RedOp.BOR, RedOp.BXOR)
 
+# each op as an elementwise function of two tensors (``fn(a, b, out=a)`` reduces into ``a``)
+COMBINE = {
+    RedOp.SUM: torch.add,
+    RedOp.PRODUCT: torch.mul,
+    RedOp.MIN: torch.minimum,
+    RedOp.MAX: torch.maximum,
+    RedOp.BAND: torch.bitwise_and,
+    RedOp.BOR: torch.bitwise_or,
+    RedOp.BXOR: torch.bitwise_xor,
+}
+
 SUPPORTED_OPS = (
     "allreduce", "allreduce_coalesced", "broadcast", "allgather", "all_gather_single",
     "all_gather_single_coalesced", "allgather_coalesced", "reduce_scatter", "reduce_scatter_single",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import DTYPE_BY_CODE, LOW_PRECISION, RedOp, dtype_name
+from ..ops import COMBINE, DTYPE_BY_CODE, LOW_PRECISION, RedOp, dtype_name
 from .base import Transport, dtype_code
 from .shm_segment import ShmSegment
 
@@ -24,17 +24,6 @@ ONE_SHOT_BYTES = 16 << 10  # all_reduce below this size uses one barrier (see al
 _OP_CODES = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "reduce_scatter": 5,
              "all_to_all": 6, "barrier": 7}
 _OP_NAMES = {code: name for name, code in _OP_CODES.items()}
-
-_COMBINE = {
-    RedOp.SUM: torch.add,
-    RedOp.PRODUCT: torch.mul,
-    RedOp.MIN: torch.minimum,
-    RedOp.MAX: torch.maximum,
-    RedOp.BAND: torch.bitwise_and,
-    RedOp.BOR: torch.bitwise_or,
-    RedOp.BXOR: torch.bitwise_xor,
-}
-
 
 def _describe(header: tuple[int, ...]) -> str:
     seq, call, op, dtype, numel, arg = header
@@ -89,7 +78,7 @@ class ShmTransport(Transport):
         A ``dest`` may be the very memory of one source (in-place calls). The accumulator is
         therefore a ``dest`` that no later source (index >= 2) aliases, else scratch memory.
         """
-        fn, numel, dtype = _COMBINE[op], sources[0].numel(), sources[0].dtype
+        fn, numel, dtype = COMBINE[op], sources[0].numel(), sources[0].dtype
         if dtype in LOW_PRECISION and op in (RedOp.SUM, RedOp.PRODUCT):
             acc = self._acc[:numel]
             acc.copy_(sources[0])
