@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveMismatchError, where
+from .errors import CollectiveMismatchError, PeerRefusedError, where
 from .ops import DTYPES, LOW_PRECISION, RedOp
 from .transports.base import Transport
 
@@ -70,6 +70,8 @@ class Collectives:
         mine = [_SIGNATURE_OPS[op], DTYPES[dtype] if dtype else 0, numel, arg]
         try:
             everyone = self.transport.signature_check(mine)
+        except PeerRefusedError:  # says what happened, naming this call, as it would without the check
+            raise
         except dist.DistBackendError as exc:
             raise type(exc)(f"{where(self.rank, self.world_size, op)} checking that every rank called "
                             f"the same collective failed: {exc}") from exc

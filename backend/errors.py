@@ -26,3 +26,8 @@ class CollectiveMismatchError(SMDDPError):
 
 class PeerFailureError(SMDDPError):
     """A peer died, aborted, or did not arrive within the process group's timeout."""
+
+
+class PeerRefusedError(PeerFailureError):
+    """A peer refused the call this rank was waiting in (bad input on that rank); the message
+    carries that rank's own error."""

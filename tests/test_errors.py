@@ -62,12 +62,16 @@ REFUSAL_LAUNCHES = {  # transport: (ranks, launch arguments)
     # 2 simulated hosts x 2 ranks: rank 3's host peer waits in shared memory, the others in gloo
     "hierarchical": (4, {"env": {"SMDDP_ALGORITHM": "hierarchical"}, "hosts_of": 2}),
     "mpi": (2, {"env": {"SMDDP_TRANSPORT": "mpi"}}),
+    # the waiting rank is inside the signature check's all_gather when it hears of the refusal
+    "gloo-checked": (2, {"env": {"SMDDP_TRANSPORT": "gloo", "SMDDP_CHECK_COLLECTIVES": "1"}}),
 }
 
 
 # what the refusing rank's error says, by what it passed (programs.REFUSED_CALLS)
 REFUSAL_WORDS = {"dtype": "float8_e4m3fn", "op": "PREMUL_SUM", "reduce_scatter": "float8_e4m3fn"}
-REFUSAL_CASES = [(transport, "dtype") for transport in sorted(REFUSAL_LAUNCHES)] + [
+REFUSED_OP = {"dtype": "all_reduce", "op": "all_reduce", "reduce_scatter": "reduce_scatter_tensor"}
+REFUSAL_CASES = [(transport, "dtype") for transport in sorted(REFUSAL_LAUNCHES) if transport != "gloo-checked"] + [
+    ("gloo-checked", "dtype"),
     # refused while the call reads its arguments, before its checks: on transports whose waits
     # hear of refusals only through the store, the call must still be numbered and announced
     ("gloo", "op"), ("mpi", "op"),
@@ -101,8 +105,11 @@ def test_rank_refusing_a_call_releases_its_waiting_peers(transport, kind, retry)
     # why, long before the 60 s timeout (the group's default is 30 minutes)
     for rank, report in enumerate(reports[:refuser]):
         assert report["backend_error"], (rank, report)
-        # named as the user's group numbers it (the hierarchical transport's parts number their own)
+        # named as the user's group numbers it (the hierarchical transport's parts number their
+        # own), in the call the user made (not a step of it: a part's, or the signature check's)
         assert report["message"].startswith(f"[smddp rank {rank}/{world} "), (rank, report)
+        assert report["message"].split("] ", 1)[1].startswith(REFUSED_OP[kind]), (rank, report)
+        assert "checking that every rank" not in report["message"], (rank, report)
         assert report["seconds"] < 4, (rank, report)  # the refusing rank lives 5 s after refusing
         assert "can no longer be used" in report["message"], (rank, report)
         if transport == "shm" and retry and report["type"] == "CollectiveMismatchError":

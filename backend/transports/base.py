@@ -38,6 +38,14 @@ class Transport(abc.ABC):
     shown_as: tuple[int, int] | None = None
     """(rank, world size) that error messages name, when not this transport's own: the
     hierarchical transport's parts are groups of their own, whose ranks users never see."""
+    running: str | None = None
+    """The collective the process group is running, as the user called it (all_reduce,
+    all_gather_into_tensor, ...). Set by the process group before each call, like call_index,
+    so an error in a step of it (a hierarchical part's reduce_scatter, the signature check's
+    all_gather) names the call the user made."""
+    role: str = ""
+    """What this transport's steps are to the user's group (the hierarchical transport's parts:
+    "within the host", "between hosts"), for error messages."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -46,7 +54,16 @@ class Transport(abc.ABC):
     def where(self, op: str) -> str:
         """The prefix of this transport's error messages (errors.where), naming the rank as the
         user's process group numbers it."""
-        return where(*(self.shown_as or (self.rank, self.world_size)), op)
+        return where(*(self.shown_as or (self.rank, self.world_size)), self.shown_op(op))
+
+    def shown_op(self, op: str) -> str:
+        """``op`` (this transport's) as error messages name it: the user's call, and the step of
+        it that ``op`` is when they differ ("all_reduce (reduce_scatter step within the host)")."""
+        role = f" {self.role}" if self.role else ""
+        if self.running is not None and not self.running.startswith(op):  # all_gather_into_tensor runs all_gather
+            return f"{self.running} ({op} step{role})"
+        call = self.running or op
+        return f"{call} ({self.role})" if self.role else call
 
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None: ...

@@ -91,6 +91,7 @@ class HierarchicalTransport(Transport):
         for part in (self.intra, self.inter, self.flat):
             part.refusals = self.refusals
             part.shown_as = (rank, world_size)  # errors name the rank the user knows, not the part's
+        self.intra.role, self.inter.role = "within the host", "between hosts"
 
     @property
     def call_index(self) -> int:
@@ -100,6 +101,15 @@ class HierarchicalTransport(Transport):
     def call_index(self, call: int) -> None:  # each part waits, and looks for refusals, in the group's call
         for part in (self.intra, self.inter, self.flat):
             part.call_index = call
+
+    @property
+    def running(self) -> str | None:
+        return self.inter.running
+
+    @running.setter
+    def running(self, op: str | None) -> None:  # each part's errors name the user's call
+        for part in (self.intra, self.inter, self.flat):
+            part.running = op
 
     def _hierarchical(self, op: str, nbytes: int) -> bool:
         use = self.always or nbytes >= self.min_bytes

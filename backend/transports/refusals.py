@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..errors import PeerFailureError
+from ..errors import PeerRefusedError
 
 POLL_S = 0.05
 """How often a waiting rank looks for a refusal of its call (each look is one store round trip)."""
@@ -96,11 +96,11 @@ class RefusalBoard:
         return said
 
     def raise_if_refused(self, call: int, prefix: str) -> None:
-        """Raise PeerFailureError (its text after ``prefix``, errors.where's) on this waiting
+        """Raise PeerRefusedError (its text after ``prefix``, errors.where's) on this waiting
         rank if a peer refused call ``call``."""
         said = self.heard(call)
         if said is not None:
-            raise PeerFailureError(
+            raise PeerRefusedError(
                 f"{prefix} {said}. The call cannot complete without that rank, and this "
                 "rank is left inside it, so this process group can no longer be used; fix the input on that "
                 "rank and restart the job (or destroy and re-create the group)."

@@ -54,7 +54,7 @@ class ShmTransport(Transport):
             self.seg._fail("an earlier collective failed on this rank")
         self.seq += 1
         self.seg.current_call = self.call_index
-        self.seg.op_desc = f"{op} (call #{self.call_index})"
+        self.seg.op_desc = f"{self.shown_op(op)}, call #{self.call_index}"
         header = (self.seq, self.call_index, _OP_CODES[op], dtype_code(dtype) if dtype else 0, numel, arg)
         self.seg.publish_header(header)
         return header

@@ -25,7 +25,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from ..errors import CollectiveMismatchError, PeerFailureError, where
+from ..errors import CollectiveMismatchError, PeerFailureError, PeerRefusedError, where
 
 PHASE, PID, BROKEN, REJECTED = 0, 1, 2, 3
 HEADER = 4  # two headers of 6 fields: op seq, call index, op code, dtype code, numel, arg
@@ -127,10 +127,10 @@ class ShmSegment:
             if self.control[peer, BROKEN]:
                 self._fail(f"rank {peer} aborted: {self._reason(peer)}")
             if self.control[peer, REJECTED] == self.current_call >= 0:
-                self._fail(f"rank {peer} refused this call: {self._reason(peer)}")
+                self._fail(f"rank {peer} refused this call: {self._reason(peer)}", PeerRefusedError)
         said = self.refused() if self.refused is not None else None
         if said is not None:  # a rank on another host, seen by the whole group (hierarchical)
-            self._fail(said)
+            self._fail(said, PeerRefusedError)
         pid = int(self.control[waiting_for, PID])
         if pid and not _alive(pid):
             self._fail(f"rank {waiting_for} (pid {pid}) died")
@@ -144,9 +144,9 @@ class ShmSegment:
         """The prefix of the segment's errors, naming the rank as the user's group numbers it."""
         return where(*(self.shown_as or (self.rank, self.world_size)), self.op_desc)
 
-    def _fail(self, what: str) -> None:
+    def _fail(self, what: str, error: type[PeerFailureError] = PeerFailureError) -> None:
         self.mark_broken(what)
-        raise PeerFailureError(
+        raise error(
             f"{self._where()} {what}. This process group can no "
             "longer be used; restart the job (or destroy and re-create the group)."
         )
