@@ -144,7 +144,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         def run() -> None:
             if self._failure is not None:
                 raise SMDDPError(self._failure)
-            self.transport.call_index, self.transport.running = call, op
+            self.transport.begin_call(call, op)
             try:
                 # collectives write tensors' data outside autograd, as torch's own backends do: a
                 # parameter (a leaf that requires grad) may be all-reduced or broadcast by hand,

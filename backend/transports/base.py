@@ -31,7 +31,7 @@ class Transport(abc.ABC):
     the thread so that DDP overlaps their waiting with backward compute."""
     call_index: int = 0
     """Index of the process-group call being run; identical on every rank that makes the same
-    calls. Set by the process group before each call."""
+    calls (begin_call)."""
     refusals = None
     """The group's RefusalBoard (refusals.py) for transports whose waits cannot otherwise learn
     that a peer refused the call they wait in (gloo, MPI, the hierarchical transport's parts)."""
@@ -40,9 +40,8 @@ class Transport(abc.ABC):
     hierarchical transport's parts are groups of their own, whose ranks users never see."""
     running: str | None = None
     """The collective the process group is running, as the user called it (all_reduce,
-    all_gather_into_tensor, ...). Set by the process group before each call, like call_index,
-    so an error in a step of it (a hierarchical part's reduce_scatter, the signature check's
-    all_gather) names the call the user made."""
+    all_gather_into_tensor, ...; begin_call), so an error in a step of it (a hierarchical
+    part's reduce_scatter, the signature check's all_gather) names the call the user made."""
     role: str = ""
     """What this transport's steps are to the user's group (the hierarchical transport's parts:
     "within the host", "between hosts"), for error messages."""
@@ -50,6 +49,10 @@ class Transport(abc.ABC):
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
+
+    def begin_call(self, call: int, op: str) -> None:
+        """The process group is about to run its call number ``call``, ``op`` as the user named it."""
+        self.call_index, self.running = call, op
 
     def where(self, op: str) -> str:
         """The prefix of this transport's error messages (errors.where), naming the rank as the

@@ -93,23 +93,11 @@ class HierarchicalTransport(Transport):
             part.shown_as = (rank, world_size)  # errors name the rank the user knows, not the part's
         self.intra.role, self.inter.role = "within the host", "between hosts"
 
-    @property
-    def call_index(self) -> int:
-        return self.inter.call_index
-
-    @call_index.setter
-    def call_index(self, call: int) -> None:  # each part waits, and looks for refusals, in the group's call
+    def begin_call(self, call: int, op: str) -> None:
+        # each part waits, and looks for refusals, in the group's call, and its errors name it
+        super().begin_call(call, op)
         for part in (self.intra, self.inter, self.flat):
-            part.call_index = call
-
-    @property
-    def running(self) -> str | None:
-        return self.inter.running
-
-    @running.setter
-    def running(self, op: str | None) -> None:  # each part's errors name the user's call
-        for part in (self.intra, self.inter, self.flat):
-            part.running = op
+            part.begin_call(call, op)
 
     def _hierarchical(self, op: str, nbytes: int) -> bool:
         use = self.always or nbytes >= self.min_bytes

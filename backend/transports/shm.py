@@ -25,6 +25,7 @@ _OP_CODES = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "red
              "all_to_all": 6, "barrier": 7}
 _OP_NAMES = {code: name for name, code in _OP_CODES.items()}
 
+
 def _describe(header: tuple[int, ...]) -> str:
     seq, call, op, dtype, numel, arg = header
     name = _OP_NAMES.get(op, f"op{op}")
