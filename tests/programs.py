@@ -274,3 +274,51 @@ def wire_rounding(numel: int = 4096) -> list[float]:
     dist.all_reduce(t)
     dist.destroy_process_group()
     return sorted(set(t.tolist()))
+
+
+def _bytes_sent(interface: str = "eth0") -> int:
+    """Bytes this process's network namespace has sent on ``interface`` (/proc/net/dev is the
+    reader's namespace: on a simulated host, its link to the others)."""
+    for line in open("/proc/net/dev"):
+        name, _, counters = line.partition(":")
+        if name.strip() == interface:
+            return int(counters.split()[8])  # receive has 8 columns, then transmit bytes
+    raise RuntimeError(f"no interface {interface} in /proc/net/dev: run this on a simulated host")
+
+
+def reduce_scatter_link_bytes(dtype: str, numel: int = 1 << 20, calls: int = 4) -> dict:
+    """``calls`` reduce_scatter_tensor calls of ``numel`` ``dtype`` elements per rank, inputs of
+    small integers (exact in every dtype). Returns the bytes this rank's host sent on its link
+    per call, over the input's bytes, and whether every result was exact."""
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wanted = getattr(torch, dtype)
+    inp = (torch.arange(numel, dtype=torch.int64).remainder_(7) + rank).to(wanted)
+    out = torch.empty(numel // world, dtype=wanted)
+    block = slice(rank * (numel // world), (rank + 1) * (numel // world))
+    want = torch.arange(numel, dtype=torch.int64).remainder_(7)[block] * world + sum(range(world))
+    dist.reduce_scatter_tensor(out, inp)  # warm-up: connections made before counting
+    exact = bool((out.to(torch.int64) == want).all())
+    dist.barrier()
+    before = _bytes_sent()
+    for _ in range(calls):
+        dist.reduce_scatter_tensor(out, inp)
+        exact = exact and bool((out.to(torch.int64) == want).all())
+    dist.barrier()  # every call's bytes have left every host (each peer has received them)
+    sent = _bytes_sent() - before  # the two barriers add a few hundred bytes, acknowledgements a few %
+    dist.destroy_process_group()
+    return {"sent_per_input_byte": sent / calls / (numel * inp.element_size()), "exact": exact}
+
+
+def reduce_scatter_rounding(dtype: str, numel_per_rank: int = 1024) -> list[float]:
+    """One reduce_scatter_tensor whose inputs round differently in bfloat16 than in float32:
+    rank 0 gives 1 + 2**-9 (which rounds to 1 in bfloat16), every other rank 2**-8. Returns the
+    distinct values of this rank's result."""
+    smddp_lite.init()
+    world = dist.get_world_size()
+    first = 1.0 + 2.0**-9 if dtype == "float32" else 1.0
+    inp = torch.full((numel_per_rank * world,), first if dist.get_rank() == 0 else 2.0**-8, dtype=getattr(torch, dtype))
+    out = torch.empty(numel_per_rank, dtype=inp.dtype)
+    dist.reduce_scatter_tensor(out, inp)
+    dist.destroy_process_group()
+    return sorted(set(out.float().tolist()))

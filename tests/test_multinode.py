@@ -132,6 +132,56 @@ def test_16_bit_sums_between_three_hosts_round_as_configured(accumulate):
     assert all(r == results[0] for r in results), "every rank must hold the same sums"
 
 
+@pytest.mark.parametrize("dtype, wire, want", [
+    # 16-bit blocks are summed in float32 where they arrive: 1 + 2**-8 + 2**-8 is exact (a sum in
+    # bfloat16 would round 1 + 2**-8 back to 1 at its first addition)
+    ("bfloat16", None, 1 + 2.0**-7),
+    ("float32", None, 1 + 2.0**-7 + 2.0**-9),
+    # each host's float32 sum is rounded to the wire dtype once (1 + 2**-9 to 1), then summed in float32
+    ("float32", "bfloat16", 1 + 2.0**-7),
+])
+def test_reduce_scatter_between_three_hosts_rounds_once_per_host_on_a_16_bit_wire(dtype, wire, want):
+    from . import harness
+
+    env = {"SMDDP_ALGORITHM": "hierarchical", **({"SMDDP_INTER_NODE_WIRE_DTYPE": wire} if wire else {})}
+    results = harness.values(harness.launch("tests.programs:reduce_scatter_rounding", 3, env=env, hosts_of=1,
+                                            dtype=dtype))
+    assert results == [[want]] * 3
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
+@pytest.mark.parametrize("dtype, wire, share", [
+    ("bfloat16", None, 0.5),  # 16-bit blocks cross as they are (widened to float32 they would be 1.0)
+    ("float32", None, 0.5),
+    ("float32", "bfloat16", 0.25),  # SMDDP_INTER_NODE_WIRE_DTYPE halves the float32 sums' bytes
+])
+def test_hierarchical_reduce_scatter_sends_each_host_half_its_input_in_the_wire_dtype(dtype, wire, share):
+    # 2 hosts x 2 ranks: a host keeps the half of the blocks its own ranks own, and sends the
+    # other half, reduced inside the host, in the wire dtype (float32 where none is set)
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.multinode.cluster import SimCluster
+
+    from . import harness
+
+    env = {**harness._base_env({"SMDDP_ALGORITHM": "hierarchical", "GLOO_SOCKET_IFNAME": "eth0"}),
+           **({"SMDDP_INTER_NODE_WIRE_DTYPE": wire} if wire else {})}
+    with tempfile.TemporaryDirectory(prefix="smddp-test-") as tmp, SimCluster(2) as cluster:
+        out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs = [cluster.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+                                   f"--node-rank={i}", f"--master-addr={cluster.names[0]}", "--master-port=29500",
+                                   str(harness.WORKER), "tests.programs:reduce_scatter_link_bytes",
+                                   json.dumps({"dtype": dtype}), tmp], env=env, **out)
+                 for i in range(2)]
+        cluster.wait_all(procs, timeout=300)
+        reports = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all("value" in r for r in reports), [r.get("error") for r in reports]
+    assert all(r["value"]["exact"] for r in reports)
+    for r in reports:  # TCP/IP headers and acknowledgements add 0.2-0.4% here
+        assert share <= r["value"]["sent_per_input_byte"] <= share * 1.05, reports
+
+
 def test_timed_loop_moves_at_least_timed_bytes_per_size_within_the_cap():
     from benchmarks.collectives import Job
     job = Job(torch.float32, "float", torch.device("cpu"), 0, 2, 0, "sum", warmup=10, iters=20, check=True,

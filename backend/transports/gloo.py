@@ -90,7 +90,8 @@ class GlooTransport(Transport):
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self._run("all_gather", self._pg._allgather_base(output, input))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp,
+                       accumulate: torch.dtype | None = None) -> None:
         """An all_to_all of the input's blocks, then this rank's reduction of the blocks it got.
 
         Gloo's own reduce_scatter (either form) ignores a bounded wait, so a rank waiting in it
@@ -98,16 +99,26 @@ class GlooTransport(Transport):
         moves what a ring reduce_scatter moves, (n - 1) / n of the input out of each rank, and
         with the local reduction it ran 1.08-3.9x faster than gloo's reduce_scatter on loopback
         (2 and 4 ranks, 64 KiB to 16 MiB: benchmarks/results/2026-11-23-reduce-scatter-gloo-
-        transport.md); it needs one input-sized buffer for the blocks."""
+        transport.md); it needs one input-sized buffer for the blocks.
+
+        ``accumulate``: reduce the received blocks in this dtype and round once into ``output``
+        (float32 for 16-bit blocks: 16 bits on the network, float32 arithmetic; the
+        hierarchical transport's inter-host step). ``output`` may then differ from ``input``
+        in dtype."""
         received = torch.empty_like(input)
         self._run("reduce_scatter", self._pg.alltoall_base(received, input, [], [], dist.AllToAllOptions()))
         blocks = received.view(self.world_size, -1)
+        if accumulate is not None and accumulate != blocks.dtype:
+            blocks = blocks.to(accumulate)
+        total = output if output.dtype == blocks.dtype else torch.empty(output.numel(), dtype=blocks.dtype)
         if op is RedOp.SUM:
-            torch.sum(blocks, 0, out=output)
-            return
-        output.copy_(blocks[0])
-        for block in blocks[1:]:
-            COMBINE[op](output, block, out=output)
+            torch.sum(blocks, 0, out=total)
+        else:
+            total.copy_(blocks[0])
+            for block in blocks[1:]:
+                COMBINE[op](total, block, out=total)
+        if total is not output:
+            output.copy_(total)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self.all_to_all_async(output, input)()

@@ -24,6 +24,9 @@ compiled step's wire dtype) takes that path in its own dtype, so gradients stay 
 network and are still accumulated in float32. The sums come back from the network already
 rounded to the wire dtype, so the all-gather inside the host moves them in that dtype too (half
 the bytes through shared memory, the same bits) and widens them once, into the caller's tensor.
+A reduce_scatter's step between hosts (ZeRO's and FSDP's gradients) is an all-to-all of the
+host-reduced blocks with the sum taken where they arrive, so 16-bit blocks cross as they are and
+are summed in float32, and with a wire dtype set a float32 SUM crosses in it, as above.
 """
 
 from __future__ import annotations
@@ -234,20 +237,21 @@ class HierarchicalTransport(Transport):
         grouped = input.view(self.world_size, m)[index].reshape(-1)
         host_sums = torch.empty(N * m, dtype=input.dtype)
         self.intra.reduce_scatter(host_sums, grouped, op)  # my index's blocks, summed over my host
-        if input.dtype in LOW_PRECISION:
-            wide = torch.empty(m, dtype=torch.float32)
-            self.inter.reduce_scatter(wide, host_sums.float(), op)
-            output.copy_(wide)
-        else:
-            self.inter.reduce_scatter(output, host_sums, op)
+        sent = self._reduce_scatter_wire(host_sums, op)
+        self.inter.reduce_scatter(output, sent, op, accumulate=_float32_for_16_bit(sent))
+
+    def _reduce_scatter_wire(self, host_sums: torch.Tensor, op: RedOp) -> torch.Tensor:
+        """What this rank sends between hosts in a reduce_scatter; the receiving rank reduces
+        16-bit blocks in float32. A 16-bit input travels as it is (half the bytes of widening it
+        first, and the same result: every 16-bit value is exact in float32). A float32 SUM
+        travels in ``SMDDP_INTER_NODE_WIRE_DTYPE`` when that is set: each host's sum rounded once,
+        as in the all_reduce's inter-host step."""
+        if host_sums.dtype is torch.float32 and op is RedOp.SUM and self.wire is not None:
+            return host_sums.to(self.wire)
+        return host_sums
 
     def _flat_reduce_scatter(self, output, input, op) -> None:
-        if input.dtype in LOW_PRECISION:
-            wide = torch.empty(output.numel(), dtype=torch.float32)
-            self.flat.reduce_scatter(wide, input.float(), op)
-            output.copy_(wide)
-        else:
-            self.flat.reduce_scatter(output, input, op)
+        self.flat.reduce_scatter(output, input, op, accumulate=_float32_for_16_bit(input))
 
     # the rest is flat ----------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
@@ -271,3 +275,9 @@ class HierarchicalTransport(Transport):
     def close(self) -> None:
         for t in (self.intra, self.inter, self.flat):
             t.close()
+
+
+def _float32_for_16_bit(sent: torch.Tensor) -> torch.dtype | None:
+    """The dtype a receiving rank reduces ``sent``'s blocks in: float32 for 16-bit floats (gloo
+    alone would add them in 16 bits), their own dtype otherwise."""
+    return torch.float32 if sent.dtype in LOW_PRECISION else None
