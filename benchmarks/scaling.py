@@ -9,6 +9,8 @@ throughput(N hosts) / (N x throughput(1 host)). Needs root.
     python -m benchmarks.scaling --hosts 2 --per-host 2 --variants gloo,smddp-hier-bf16 --repeat 5
     python -m benchmarks.scaling --quick        # one small run: does the harness work here?
     python -m benchmarks.scaling --launcher mpiexec   # the same runs started by mpiexec with a host list
+    python -m benchmarks.scaling --hosts 2 --per-host 2 --env SMDDP_ALGORITHM=hierarchical \
+        --run "collectives.py --backends smddp,gloo --ops reduce_scatter --dtype bfloat16 -b 1M"
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -220,11 +223,24 @@ def main() -> None:
     parser.add_argument("--collectives", action="store_true",
                         help="instead: time all_reduce on the cost model's configurations (those with --hosts and "
                              "--per-host), write OUT.json")
+    parser.add_argument("--run", metavar="SCRIPT ARGS",
+                        help="instead: run this benchmarks/ script (with its arguments, one string) on each "
+                             "--hosts x --per-host cluster, --repeat times, and print the first host's output")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                        help="--collectives: also set this SMDDP_* variable in every run (repeatable)")
+                        help="--collectives, --run: also set this SMDDP_* variable in every run (repeatable)")
     parser.add_argument("--min-bytes", default="64K", help="--collectives: smallest message (suffixes K, M)")
     parser.add_argument("--max-bytes", default="16M", help="--collectives: largest message")
     args = parser.parse_args()
+    if args.run:
+        extra = dict(kv.split("=", 1) for kv in args.env)
+        for h in map(int, (args.hosts or "2").split(",")):
+            for p in map(int, (args.per_host or "1").split(",")):
+                for rep in range(args.repeat):
+                    outputs = run_job(h, p, shlex.split(args.run), extra, args.rate, args.launcher, 1800,
+                                      f"{args.run} on {h}x{p}", burst=args.burst)
+                    print(f"## round {rep}: {h} hosts x {p} ranks, {args.rate} links (tbf burst {args.burst}), "
+                          f"{extra or 'no SMDDP_* variables'}\n{outputs[0]}", flush=True)
+        return
     if args.collectives:
         hosts = set(map(int, args.hosts.split(","))) if args.hosts else {h for h, _, _ in COLLECTIVE_RUNS}
         per_host = set(map(int, args.per_host.split(","))) if args.per_host else {p for _, p, _ in COLLECTIVE_RUNS}
