@@ -178,7 +178,7 @@ def test_hierarchical_reduce_scatter_sends_each_host_half_its_input_in_the_wire_
         reports = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(4)]
     assert all("value" in r for r in reports), [r.get("error") for r in reports]
     assert all(r["value"]["exact"] for r in reports)
-    for r in reports:  # TCP/IP headers and acknowledgements add 0.2-0.4% here
+    for r in reports:  # TCP/IP headers and acknowledgements add 0.2-0.5% here
         assert share <= r["value"]["sent_per_input_byte"] <= share * 1.05, reports
 
 
