@@ -105,20 +105,31 @@ class GlooTransport(Transport):
         (float32 for 16-bit blocks: 16 bits on the network, float32 arithmetic; the
         hierarchical transport's inter-host step). ``output`` may then differ from ``input``
         in dtype."""
+        self.reduce_scatter_async(output, input, op, accumulate)()
+
+    def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor, op: RedOp,
+                             accumulate: torch.dtype | None = None):
+        """Start a reduce_scatter; returns the function that waits for its blocks, reduces them
+        into ``output`` and raises as reduce_scatter would."""
         received = torch.empty_like(input)
-        self._run("reduce_scatter", self._pg.alltoall_base(received, input, [], [], dist.AllToAllOptions()))
-        blocks = received.view(self.world_size, -1)
-        if accumulate is not None and accumulate != blocks.dtype:
-            blocks = blocks.to(accumulate)
-        total = output if output.dtype == blocks.dtype else torch.empty(output.numel(), dtype=blocks.dtype)
-        if op is RedOp.SUM:
-            torch.sum(blocks, 0, out=total)
-        else:
-            total.copy_(blocks[0])
-            for block in blocks[1:]:
-                COMBINE[op](total, block, out=total)
-        if total is not output:
-            output.copy_(total)
+        work = self._pg.alltoall_base(received, input, [], [], dist.AllToAllOptions())
+
+        def finish() -> None:
+            self._run("reduce_scatter", work)
+            blocks = received.view(self.world_size, -1)
+            if accumulate is not None and accumulate != blocks.dtype:
+                blocks = blocks.to(accumulate)
+            total = output if output.dtype == blocks.dtype else torch.empty(output.numel(), dtype=blocks.dtype)
+            if op is RedOp.SUM:
+                torch.sum(blocks, 0, out=total)
+            else:
+                total.copy_(blocks[0])
+                for block in blocks[1:]:
+                    COMBINE[op](total, block, out=total)
+            if total is not output:
+                output.copy_(total)
+
+        return finish
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self.all_to_all_async(output, input)()

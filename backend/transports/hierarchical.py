@@ -13,7 +13,8 @@ host as soon as its inter-host step ends. The network then stays busy from the f
 reduce-scatter to the last piece's all-gather, and the host-local copying of the other pieces
 happens while it works. Measured on 2 simulated hosts x 2 ranks at 1 Gbit/s (bfloat16 wire,
 DDP on a 21 MB model): 172 ms per step with one inter-host step at a time, 156 ms with several in flight,
-182 ms without pieces.
+182 ms without pieces. A reduce_scatter is pipelined the same way, over pieces of every rank's
+block (a bfloat16 one of 16 MiB: 115 ms in one piece, 71 ms in four).
 
 Between hosts, a floating-point SUM can travel as bfloat16/float16: the shard is exchanged in
 the wire dtype with an all-to-all, each rank sums its slice in float32, and the sums travel
@@ -234,11 +235,28 @@ class HierarchicalTransport(Transport):
         m, L, N = output.numel(), self.per_node, self.nodes
         # (L, N, m): for each local index j, the blocks of the ranks with that index, host by host
         index = [self.topo.local[k][j] for j in range(L) for k in range(N)]
-        grouped = input.view(self.world_size, m)[index].reshape(-1)
-        host_sums = torch.empty(N * m, dtype=input.dtype)
-        self.intra.reduce_scatter(host_sums, grouped, op)  # my index's blocks, summed over my host
-        sent = self._reduce_scatter_wire(host_sums, op)
-        self.inter.reduce_scatter(output, sent, op, accumulate=_float32_for_16_bit(sent))
+        blocks = input.view(self.world_size, m)
+        # Pieces of every block, as the all_reduce's: each piece's exchange between hosts runs on
+        # gloo's threads while this rank reduces the next piece inside the host. A piece is
+        # hierarchical_chunk_bytes of the input: columns [start, start + width) of every block.
+        width = max(1, self.chunk_bytes // input.element_size() // self.world_size)
+        finishes = []
+        for start in range(0, m, width):
+            columns = slice(start, min(m, start + width))
+            grouped = blocks[index, columns].reshape(-1)  # a copy: the pieces' blocks, in (L, N) order
+            host_sums = torch.empty(N * (columns.stop - start), dtype=input.dtype)
+            self.intra.reduce_scatter(host_sums, grouped, op)  # my index's blocks, summed over my host
+            sent = self._reduce_scatter_wire(host_sums, op)
+            finishes.append(self.inter.reduce_scatter_async(output[columns], sent, op,
+                                                            accumulate=_float32_for_16_bit(sent)))
+        failure = None
+        for finish in finishes:  # in start order, as gloo matches them; all end before a raise
+            try:
+                finish()
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def _reduce_scatter_wire(self, host_sums: torch.Tensor, op: RedOp) -> torch.Tensor:
         """What this rank sends between hosts in a reduce_scatter; the receiving rank reduces
