@@ -286,28 +286,40 @@ def _bytes_sent(interface: str = "eth0") -> int:
     raise RuntimeError(f"no interface {interface} in /proc/net/dev: run this on a simulated host")
 
 
-def reduce_scatter_link_bytes(dtype: str, numel: int = 1 << 20, calls: int = 4) -> dict:
-    """``calls`` reduce_scatter_tensor calls of ``numel`` ``dtype`` elements per rank, inputs of
-    small integers (exact in every dtype). Returns the bytes this rank's host sent on its link
-    per call, over the input's bytes, and whether every result was exact."""
+def link_bytes(op: str, dtype: str, numel: int = 1 << 20, calls: int = 4) -> dict:
+    """``calls`` reduce_scatter_tensor (``op`` "reduce_scatter") or all_gather_into_tensor calls
+    ("all_gather") on a message of ``numel`` ``dtype`` elements (the reduce_scatter's input, the
+    all_gather's output), of small integers, exact in every dtype. Returns the bytes this rank's
+    host sent on its link per call, over the message's bytes, and whether every result was exact."""
     smddp_lite.init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    wanted = getattr(torch, dtype)
-    inp = (torch.arange(numel, dtype=torch.int64).remainder_(7) + rank).to(wanted)
-    out = torch.empty(numel // world, dtype=wanted)
-    block = slice(rank * (numel // world), (rank + 1) * (numel // world))
-    want = torch.arange(numel, dtype=torch.int64).remainder_(7)[block] * world + sum(range(world))
-    dist.reduce_scatter_tensor(out, inp)  # warm-up: connections made before counting
+    wanted, block = getattr(torch, dtype), numel // world
+    pattern = torch.arange(numel, dtype=torch.int64).remainder_(7)
+    if op == "reduce_scatter":
+        inp, out = (pattern + rank).to(wanted), torch.empty(block, dtype=wanted)
+        want = pattern[rank * block : (rank + 1) * block] * world + sum(range(world))
+        run = lambda: dist.reduce_scatter_tensor(out, inp)  # noqa: E731
+    else:
+        inp, out = (pattern[rank * block : (rank + 1) * block]).to(wanted), torch.empty(numel, dtype=wanted)
+        want = pattern
+        run = lambda: dist.all_gather_into_tensor(out, inp)  # noqa: E731
+    run()  # warm-up: connections made before counting
     exact = bool((out.to(torch.int64) == want).all())
+    # The counter is the host's, shared by its ranks: each reading sits between two barriers, so
+    # that no rank of the host sends a call's bytes before, or after, another rank reads it.
     dist.barrier()
     before = _bytes_sent()
+    dist.barrier()
     for _ in range(calls):
-        dist.reduce_scatter_tensor(out, inp)
+        out.zero_()
+        run()
         exact = exact and bool((out.to(torch.int64) == want).all())
     dist.barrier()  # every call's bytes have left every host (each peer has received them)
-    sent = _bytes_sent() - before  # the two barriers add a few hundred bytes, acknowledgements a few %
+    sent = _bytes_sent() - before  # three barriers add a few hundred bytes, acknowledgements under 1%
+    dist.barrier()
     dist.destroy_process_group()
-    return {"sent_per_input_byte": sent / calls / (numel * inp.element_size()), "exact": exact}
+    return {"sent_per_message_byte": sent / calls / (numel * torch.tensor([], dtype=wanted).element_size()),
+            "exact": exact}
 
 
 def reduce_scatter_rounding(dtype: str, numel_per_rank: int = 1024) -> list[float]:

@@ -150,14 +150,17 @@ def test_reduce_scatter_between_three_hosts_rounds_once_per_host_on_a_16_bit_wir
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
-@pytest.mark.parametrize("dtype, wire, share", [
-    ("bfloat16", None, 0.5),  # 16-bit blocks cross as they are (widened to float32 they would be 1.0)
-    ("float32", None, 0.5),
-    ("float32", "bfloat16", 0.25),  # SMDDP_INTER_NODE_WIRE_DTYPE halves the float32 sums' bytes
+@pytest.mark.parametrize("op, dtype, wire, share", [
+    ("reduce_scatter", "bfloat16", None, 0.5),  # 16-bit blocks cross as they are (widened: 1.0)
+    ("reduce_scatter", "float32", None, 0.5),
+    ("reduce_scatter", "float32", "bfloat16", 0.25),  # SMDDP_INTER_NODE_WIRE_DTYPE halves float32 sums
+    ("all_gather", "bfloat16", None, 0.5),  # each host's inputs cross once (once per local rank: 1.0)
+    ("all_gather", "float32", "bfloat16", 0.5),  # no sums, so no wire dtype: the bits as they are
 ])
-def test_hierarchical_reduce_scatter_sends_each_host_half_its_input_in_the_wire_dtype(dtype, wire, share):
-    # 2 hosts x 2 ranks: a host keeps the half of the blocks its own ranks own, and sends the
-    # other half, reduced inside the host, in the wire dtype (float32 where none is set)
+def test_hierarchical_collectives_send_each_byte_between_hosts_once(op, dtype, wire, share):
+    # 2 hosts x 2 ranks. reduce_scatter: a host sends the half of the blocks the other host's
+    # ranks own, reduced inside the host, in the wire dtype (float32 where none is set).
+    # all_gather: a host sends its ranks' inputs, half the output, to the other host.
     import tempfile
     from pathlib import Path
 
@@ -171,15 +174,15 @@ def test_hierarchical_reduce_scatter_sends_each_host_half_its_input_in_the_wire_
         out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs = [cluster.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
                                    f"--node-rank={i}", f"--master-addr={cluster.names[0]}", "--master-port=29500",
-                                   str(harness.WORKER), "tests.programs:reduce_scatter_link_bytes",
-                                   json.dumps({"dtype": dtype}), tmp], env=env, **out)
+                                   str(harness.WORKER), "tests.programs:link_bytes",
+                                   json.dumps({"op": op, "dtype": dtype}), tmp], env=env, **out)
                  for i in range(2)]
         cluster.wait_all(procs, timeout=300)
         reports = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(4)]
     assert all("value" in r for r in reports), [r.get("error") for r in reports]
     assert all(r["value"]["exact"] for r in reports)
     for r in reports:  # TCP/IP headers and acknowledgements add 0.2-0.5% here
-        assert share <= r["value"]["sent_per_input_byte"] <= share * 1.05, reports
+        assert share <= r["value"]["sent_per_message_byte"] <= share * 1.05, reports
 
 
 def test_timed_loop_moves_at_least_timed_bytes_per_size_within_the_cap():

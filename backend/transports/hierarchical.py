@@ -84,8 +84,9 @@ class HierarchicalTransport(Transport):
         self.intra = intra_factory(dist.PrefixStore(f"intra{self.node}", store), self.local_rank, self.per_node)
         self.inter = GlooTransport(dist.PrefixStore(f"inter{self.local_rank}", store), self.node, self.nodes, timeout)
         self.flat = GlooTransport(dist.PrefixStore("flat", store), rank, world_size, timeout)
-        # node-major rank order; identity for the usual launch (ranks numbered host by host)
-        self.order = [r for ranks in topology.local for r in ranks]
+        # (L, N): for each local index j, the ranks with that index, host by host; the order in
+        # which the inter-host groups' blocks sit after the step inside the host
+        self.by_local_index = [topology.local[k][j] for j in range(self.per_node) for k in range(self.nodes)]
         self._logged: set[tuple[str, bool]] = set()
         # A refusal of one of this group's calls is posted under the group's call index, and every
         # part looks for it there, so a rank waiting in any of them hears of it: a peer on another
@@ -219,22 +220,24 @@ class HierarchicalTransport(Transport):
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         if not self._hierarchical("all_gather", output.numel() * output.element_size()):
             return self.flat.all_gather(output, input)
-        m, L = input.numel(), self.per_node
-        host = torch.empty(L * m, dtype=input.dtype)
-        self.intra.all_gather(host, input)
-        if self.order == list(range(self.world_size)):
-            self.inter.all_gather(output, host)
+        m, L, N = input.numel(), self.per_node, self.nodes
+        # Between hosts first: each rank gathers the inputs of the ranks with its local index, one
+        # per host, so each host's link carries every other host's data once. (Gathering the
+        # host's L inputs first and exchanging those sends them L times, once per local index:
+        # 2 simulated hosts x 2 ranks at 1 Gbit/s ran at 0.54-0.79x torch gloo's ring that way.)
+        across = torch.empty(N * m, dtype=input.dtype)
+        self.inter.all_gather(across, input)
+        if L == 1 and self.by_local_index == list(range(self.world_size)):
+            output.copy_(across)
             return
-        node_major = torch.empty_like(output)
-        self.inter.all_gather(node_major, host)
-        output.view(self.world_size, m)[self.order] = node_major.view(self.world_size, m)
+        gathered = torch.empty(L * N * m, dtype=input.dtype)  # (L, N, m), as by_local_index orders ranks
+        self.intra.all_gather(gathered, across)
+        output.view(self.world_size, m)[self.by_local_index] = gathered.view(self.world_size, m)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         if not self._hierarchical("reduce_scatter", input.numel() * input.element_size()):
             return self._flat_reduce_scatter(output, input, op)
-        m, L, N = output.numel(), self.per_node, self.nodes
-        # (L, N, m): for each local index j, the blocks of the ranks with that index, host by host
-        index = [self.topo.local[k][j] for j in range(L) for k in range(N)]
+        m, N = output.numel(), self.nodes
         blocks = input.view(self.world_size, m)
         # Pieces of every block, as the all_reduce's: each piece's exchange between hosts runs on
         # gloo's threads while this rank reduces the next piece inside the host. A piece is
@@ -243,7 +246,7 @@ class HierarchicalTransport(Transport):
         finishes = []
         for start in range(0, m, width):
             columns = slice(start, min(m, start + width))
-            grouped = blocks[index, columns].reshape(-1)  # a copy: the pieces' blocks, in (L, N) order
+            grouped = blocks[self.by_local_index, columns].reshape(-1)  # a copy: the piece, in (L, N) order
             host_sums = torch.empty(N * (columns.stop - start), dtype=input.dtype)
             self.intra.reduce_scatter(host_sums, grouped, op)  # my index's blocks, summed over my host
             sent = self._reduce_scatter_wire(host_sums, op)
