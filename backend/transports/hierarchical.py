@@ -2,9 +2,11 @@
 
 all_reduce: reduce-scatter inside each host (shared memory), all-reduce of each rank's shard
 with the ranks of the same local index on the other hosts (so every host's link carries 1/L of
-the data, L ranks per host, and every rank talks), then all-gather inside the host. all_gather
-and reduce_scatter are split the same way. Everything else, and messages below
-``hierarchical_min_bytes``, take a flat gloo ring over all ranks.
+the data, L ranks per host, and every rank talks), then all-gather inside the host.
+reduce_scatter is its first half: reduce-scatter inside the host, then a reduce-scatter with the
+same-index ranks. all_gather is its second half in the other order: all-gather with the
+same-index ranks, then inside the host, so each host's data crosses each link once. Everything
+else, and messages below ``hierarchical_min_bytes``, take a flat gloo ring over all ranks.
 
 An all_reduce larger than ``hierarchical_chunk_bytes`` is pipelined over pieces: each piece is
 reduced inside the host and its inter-host step started at once (gloo runs started collectives
