@@ -88,7 +88,11 @@ class GlooTransport(Transport):
         self._run("reduce", self._pg.reduce([tensor if self.rank == root else tensor.clone()], opts))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self._run("all_gather", self._pg._allgather_base(output, input))
+        self.all_gather_async(output, input)()
+
+    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor):
+        work = self._pg._allgather_base(output, input)
+        return lambda: self._run("all_gather", work)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp,
                        accumulate: torch.dtype | None = None) -> None:
