@@ -56,9 +56,9 @@ class BackendConfig:
     save bandwidth. Env: ``SMDDP_HIERARCHICAL_MIN_BYTES``."""
 
     hierarchical_chunk_bytes: int = 4 << 20
-    """A hierarchical all_reduce or reduce_scatter of more input bytes than this runs as a
-    pipeline of pieces of this size: while one piece crosses the network, the next is reduced
-    inside the host (and, in an all_reduce, the previous one gathered), so the host-local phases
+    """A hierarchical all_reduce, reduce_scatter (input bytes) or all_gather (output bytes)
+    larger than this runs as a pipeline of pieces of this size: while one piece crosses the
+    network, the host reduces the next or gathers the previous one, so the host-local phases
     hide behind the network instead of adding to it. 4 MiB measured best for DDP on 2 simulated
     hosts x 2 ranks at 1 Gbit/s (1, 2, 4, 8 MiB: 1 and 2 MiB pay more in per-piece overhead than
     they hide). A bfloat16 reduce_scatter of 16 MiB on those hosts: 115 ms in one piece, 71 ms in

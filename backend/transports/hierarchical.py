@@ -16,7 +16,8 @@ reduce-scatter to the last piece's all-gather, and the host-local copying of the
 happens while it works. Measured on 2 simulated hosts x 2 ranks at 1 Gbit/s (bfloat16 wire,
 DDP on a 21 MB model): 172 ms per step with one inter-host step at a time, 156 ms with several in flight,
 182 ms without pieces. A reduce_scatter is pipelined the same way, over pieces of every rank's
-block (a bfloat16 one of 16 MiB: 115 ms in one piece, 71 ms in four).
+block (a bfloat16 one of 16 MiB: 115 ms in one piece, 71 ms in four), and an all_gather over
+pieces of every rank's input (32 MiB: 231 ms in one piece, 141 ms in eight).
 
 Between hosts, a floating-point SUM can travel as bfloat16/float16: the shard is exchanged in
 the wire dtype with an all-to-all, each rank sums its slice in float32, and the sums travel
