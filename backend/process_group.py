@@ -119,6 +119,24 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def name(self) -> str:
         return "smddp"
 
+    # c10d names every group it makes (_set_group_name, _set_group_desc) and DeviceMesh, FSDP2 and
+    # the functional collectives read the names back. A ProcessGroup keeps them on the backends
+    # registered with it, and this one, a ProcessGroup subclass, has none: without these, the
+    # name was lost and fully_shard() failed with "ProcessGroup name not set".
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
     # the one path every collective takes ---------------------------------------------------------
     def _run(self, op: str, tensors: list[torch.Tensor], outputs: list[torch.Tensor],
              check: Callable[[], None], body: Callable[[], None], nccl: Callable[[Any], Any] | None = None):

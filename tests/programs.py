@@ -187,6 +187,52 @@ def ddp_parity(steps: int = 12) -> dict:
     return result
 
 
+def fsdp_parity(steps: int = 6, param_dtype: str | None = None) -> dict:
+    """The same model sharded with FSDP2 (fully_shard) on "smddp" and on "gloo", side by side in
+    one job: FSDP gathers parameters with all_gather_into_tensor and reduces gradients with
+    reduce_scatter_tensor. The smddp model takes fully_shard's default mesh (the default group,
+    as a user's script would); ``param_dtype`` sets a MixedPrecisionPolicy for both (gradients
+    then reduced in that dtype)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    smddp_lite.init()
+    rank = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    dtype = getattr(torch, param_dtype) if param_dtype else None
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+
+    def sharded(mesh) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                    torch.nn.ReLU(), torch.nn.Linear(64, 5))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    variants = {"smddp": sharded(None), "gloo": sharded(DeviceMesh.from_group(gloo, "cpu"))}
+    optims = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in variants.items()}
+    losses = {k: [] for k in variants}
+    teacher = torch.randn(33, 5, generator=torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of data
+    for _ in range(steps):
+        x = torch.randn(16, 33, generator=gen)
+        y = (x @ teacher).argmax(1)
+        for name, model in variants.items():
+            optims[name].zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optims[name].step()
+            losses[name].append(loss.item())
+    full = {k: [p.full_tensor() for p in m.parameters()] for k, m in variants.items()}
+    result = {"max_diff": max(float((p - q).abs().max()) for p, q in zip(full["smddp"], full["gloo"])),
+              "max_abs": max(float(p.abs().max()) for p in full["gloo"]),
+              "losses": losses["smddp"], "gloo_losses": losses["gloo"]}
+    dist.destroy_process_group()
+    return result
+
+
 def init_explicit(method: str, port: int = 0, path: str = "") -> dict:
     """init with an explicit init_method and rank/world size (no torchrun variables)."""
     rank, world = int(os.environ["TEST_RANK"]), int(os.environ["TEST_WORLD_SIZE"])
