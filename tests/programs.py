@@ -380,3 +380,21 @@ def reduce_scatter_rounding(dtype: str, numel_per_rank: int = 1024) -> list[floa
     dist.reduce_scatter_tensor(out, inp)
     dist.destroy_process_group()
     return sorted(set(out.float().tolist()))
+
+
+def functional_collectives() -> dict:
+    """torch's functional collectives (what DTensor, tensor parallelism and compiled code call):
+    they find the process group by its name in c10d's registry."""
+    import torch.distributed._functional_collectives as funcol
+
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    result = {
+        "all_reduce": funcol.all_reduce(torch.full((4,), rank + 1.0), "sum", group).tolist(),
+        "all_gather": funcol.all_gather_single(torch.full((2,), float(rank)), 0, group).tolist(),
+        "reduce_scatter": funcol.reduce_scatter_single(torch.arange(2.0 * world), "sum", 0, group).tolist(),
+        "group_name": group.group_name,
+    }
+    dist.destroy_process_group()
+    return result

@@ -1,4 +1,5 @@
-"""FSDP2 (fully_shard) on the smddp backend against the same model on gloo, side by side in one job.
+"""FSDP2 (fully_shard) on the smddp backend against the same model on gloo, side by side in one job,
+and torch's functional collectives, which FSDP2's DTensors and compiled code call.
 
 FSDP is the user of all_gather_into_tensor and reduce_scatter_tensor: it gathers each layer's
 parameters before use and reduce-scatters its gradients. The smddp model takes fully_shard's
@@ -32,3 +33,15 @@ def test_fully_shard_trains_as_on_gloo(layout, param_dtype, tolerance):
                                             param_dtype=param_dtype))
     for rank, result in enumerate(results):
         assert result["max_diff"] <= tolerance, (rank, result)
+
+
+def test_functional_collectives_find_the_group_by_its_name():
+    # DTensor (FSDP2's parameters), tensor parallelism and compiled code call these; before the
+    # group kept its name, each raised "ProcessGroup name not set"
+    world = 3
+    results = harness.values(harness.launch("tests.programs:functional_collectives", world))
+    for rank, result in enumerate(results):
+        assert result["all_reduce"] == [6.0] * 4
+        assert result["all_gather"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
+        assert result["reduce_scatter"] == [2.0 * rank * world, (2.0 * rank + 1) * world]
+        assert result["group_name"] == results[0]["group_name"] != ""
