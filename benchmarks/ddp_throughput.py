@@ -7,7 +7,9 @@ prints one JSON line on rank 0: samples/s over the timed steps and the final par
     torchrun --standalone --nproc-per-node 2 benchmarks/ddp_throughput.py --variant smddp
 Variants: gloo, gloo-fp16-hook (torch's fp16_compress_hook), smddp (set SMDDP_ALGORITHM /
 SMDDP_INTER_NODE_WIRE_DTYPE for flat, hierarchical, compressed), smddp-compiled (smddp_lite.compile;
---wire-dtype for its gradient wire dtype).
+--wire-dtype for its gradient wire dtype), gloo-fsdp and smddp-fsdp (FSDP2: fully_shard on each
+layer and the model, --param-dtype for its MixedPrecisionPolicy; parameters are all-gathered
+before use and gradients reduce-scattered).
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ def make_model(width: int) -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", required=True, choices=["gloo", "gloo-fp16-hook", "smddp", "smddp-compiled"])
+    parser.add_argument("--variant", required=True, choices=["gloo", "gloo-fp16-hook", "smddp", "smddp-compiled",
+                                                                 "gloo-fsdp", "smddp-fsdp"])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--wire-dtype", default=None, help="smddp-compiled: gradient wire dtype")
+    parser.add_argument("--param-dtype", default=None, help="*-fsdp: parameter and gradient-reduction dtype")
     parser.add_argument("--save-params", help="rank 0 writes the final parameters here (torch.save)")
     args = parser.parse_args()
 
@@ -47,7 +51,17 @@ def main() -> None:
     hosts = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())  # where the launcher put each rank
     module = make_model(args.width)
-    if args.variant == "smddp-compiled":
+    if args.variant.endswith("-fsdp"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dtype = getattr(torch, args.param_dtype) if args.param_dtype else None
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        for layer in module:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mp_policy=policy)
+        model = fully_shard(module, mp_policy=policy)
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
+    elif args.variant == "smddp-compiled":
         model, optimizer = smddp_lite.compile(module, torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9),
                                               wire_dtype=args.wire_dtype)
     else:
@@ -79,8 +93,10 @@ def main() -> None:
     cpu_per_step = [None] * world
     dist.all_gather_object(cpu_per_step, round(cpu / args.steps, 5))
     step_times = [b - a for a, b in zip([start] + step_ends, step_ends)]
+    # FSDP's parameters are shards (DTensors): every rank takes part in gathering them
+    params = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                        for p in module.parameters()])
     if rank == 0:
-        params = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
         if args.save_params:
             torch.save(params, args.save_params)
         print(json.dumps({"variant": args.variant, "world": world, "samples_per_s": args.batch * world * args.steps / elapsed,

@@ -39,7 +39,11 @@ VARIANTS = {  # name: (ddp_throughput --variant, extra arguments, environment)
     "smddp-hier-bf16-wire-sums": ("smddp", [], {"SMDDP_ALGORITHM": "auto", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16",
                                                 "SMDDP_INTER_NODE_ACCUMULATE": "wire"}),
     "smddp-compiled-bf16": ("smddp-compiled", ["--wire-dtype", "bfloat16"], {"SMDDP_ALGORITHM": "auto"}),
+    # FSDP2 with bfloat16 parameters and gradient reductions (all_gather + reduce_scatter)
+    "gloo-fsdp-bf16": ("gloo-fsdp", ["--param-dtype", "bfloat16"], {}),
+    "smddp-fsdp-bf16": ("smddp-fsdp", ["--param-dtype", "bfloat16"], {"SMDDP_ALGORITHM": "auto"}),
 }
+DDP_VARIANTS = [name for name in VARIANTS if "fsdp" not in name]  # the scaling table's default
 
 
 def start_job(cluster: SimCluster, per_host: int, script: list[str], env: dict, launcher: str) -> list:
@@ -210,7 +214,8 @@ def main() -> None:
                                          "configuration of the cost model, 8 hosts included)")
     parser.add_argument("--per-host", help="ranks per simulated host (default: 1,2; --collectives: every "
                                             "configuration of the cost model, 2 x 4 included)")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DDP_VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds per configuration, the variants alternating within each; the table "
