@@ -132,6 +132,23 @@ def after_destroy() -> dict:
     }
 
 
+def _parity_model() -> torch.nn.Module:
+    """The small MLP the parity programs train, the same weights on every rank and call."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 5))
+
+
+def _parity_batches(rank: int, steps: int):
+    """``steps`` batches of 16 samples, each rank its own shard of data, labelled by a fixed
+    random teacher (a learnable task)."""
+    teacher = torch.randn(33, 5, generator=torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(16, 33, generator=gen)
+        yield x, (x @ teacher).argmax(1)
+
+
 def ddp_parity(steps: int = 12) -> dict:
     """The same model trained with DDP on "smddp" and on "gloo", side by side in one job."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -141,26 +158,17 @@ def ddp_parity(steps: int = 12) -> dict:
     rank = dist.get_rank()
     gloo = dist.new_group(backend="gloo")
 
-    def model() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
-                                   torch.nn.ReLU(), torch.nn.Linear(64, 5))
-
     variants = {
-        "smddp": DDP(model(), process_group=dist.group.WORLD, bucket_cap_mb=0.01),
-        "gloo": DDP(model(), process_group=gloo, bucket_cap_mb=0.01),
-        "smddp_fp16_hook": DDP(model(), process_group=dist.group.WORLD, bucket_cap_mb=0.01),
-        "gloo_fp16_hook": DDP(model(), process_group=gloo, bucket_cap_mb=0.01),
+        "smddp": DDP(_parity_model(), process_group=dist.group.WORLD, bucket_cap_mb=0.01),
+        "gloo": DDP(_parity_model(), process_group=gloo, bucket_cap_mb=0.01),
+        "smddp_fp16_hook": DDP(_parity_model(), process_group=dist.group.WORLD, bucket_cap_mb=0.01),
+        "gloo_fp16_hook": DDP(_parity_model(), process_group=gloo, bucket_cap_mb=0.01),
     }
     variants["smddp_fp16_hook"].register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
     variants["gloo_fp16_hook"].register_comm_hook(gloo, default_hooks.fp16_compress_hook)
     optims = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in variants.items()}
     losses = {k: [] for k in variants}
-    teacher = torch.randn(33, 5, generator=torch.Generator().manual_seed(7))  # a learnable labelling
-    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of data
-    for step in range(steps):
-        x = torch.randn(16, 33, generator=gen)
-        y = (x @ teacher).argmax(1)
+    for step, (x, y) in enumerate(_parity_batches(rank, steps)):
         for name, ddp in variants.items():
             optims[name].zero_grad()
             if step % 4 == 3:  # gradient accumulation: one micro-batch under no_sync
@@ -203,9 +211,7 @@ def fsdp_parity(steps: int = 6, param_dtype: str | None = None) -> dict:
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
 
     def sharded(mesh) -> torch.nn.Module:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
-                                    torch.nn.ReLU(), torch.nn.Linear(64, 5))
+        model = _parity_model()
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -214,11 +220,7 @@ def fsdp_parity(steps: int = 6, param_dtype: str | None = None) -> dict:
     variants = {"smddp": sharded(None), "gloo": sharded(DeviceMesh.from_group(gloo, "cpu"))}
     optims = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in variants.items()}
     losses = {k: [] for k in variants}
-    teacher = torch.randn(33, 5, generator=torch.Generator().manual_seed(7))
-    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of data
-    for _ in range(steps):
-        x = torch.randn(16, 33, generator=gen)
-        y = (x @ teacher).argmax(1)
+    for x, y in _parity_batches(rank, steps):
         for name, model in variants.items():
             optims[name].zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x), y)
