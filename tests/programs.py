@@ -334,11 +334,12 @@ def _bytes_sent(interface: str = "eth0") -> int:
     raise RuntimeError(f"no interface {interface} in /proc/net/dev: run this on a simulated host")
 
 
-def link_bytes(op: str, dtype: str, numel: int = 1 << 20, calls: int = 4) -> dict:
+def link_bytes(op: str, dtype: str, numel: int = 1 << 20, calls: int = 4, redop: str = "sum") -> dict:
     """``calls`` reduce_scatter_tensor (``op`` "reduce_scatter") or all_gather_into_tensor calls
     ("all_gather") on a message of ``numel`` ``dtype`` elements (the reduce_scatter's input, the
     all_gather's output), of small integers, exact in every dtype. Returns the bytes this rank's
-    host sent on its link per call, over the message's bytes, and whether every result was exact."""
+    host sent on its link per call, over the message's bytes, and whether every result was exact.
+    ``redop`` "avg": the reduce_scatter averages (its means are exact too)."""
     smddp_lite.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     wanted, block = getattr(torch, dtype), numel // world
@@ -346,13 +347,16 @@ def link_bytes(op: str, dtype: str, numel: int = 1 << 20, calls: int = 4) -> dic
     if op == "reduce_scatter":
         inp, out = (pattern + rank).to(wanted), torch.empty(block, dtype=wanted)
         want = pattern[rank * block : (rank + 1) * block] * world + sum(range(world))
-        run = lambda: dist.reduce_scatter_tensor(out, inp)  # noqa: E731
+        if redop == "avg":
+            want = want / world
+        op = dist.ReduceOp.AVG if redop == "avg" else dist.ReduceOp.SUM
+        run = lambda: dist.reduce_scatter_tensor(out, inp, op=op)  # noqa: E731
     else:
         inp, out = (pattern[rank * block : (rank + 1) * block]).to(wanted), torch.empty(numel, dtype=wanted)
         want = pattern
         run = lambda: dist.all_gather_into_tensor(out, inp)  # noqa: E731
     run()  # warm-up: connections made before counting
-    exact = bool((out.to(torch.int64) == want).all())
+    exact = bool((out.double() == want.double()).all())
     # The counter is the host's, shared by its ranks: each reading sits between two barriers, so
     # that no rank of the host sends a call's bytes before, or after, another rank reads it.
     dist.barrier()
@@ -361,7 +365,7 @@ def link_bytes(op: str, dtype: str, numel: int = 1 << 20, calls: int = 4) -> dic
     for _ in range(calls):
         out.zero_()
         run()
-        exact = exact and bool((out.to(torch.int64) == want).all())
+        exact = exact and bool((out.double() == want.double()).all())
     dist.barrier()  # every call's bytes have left every host (each peer has received them)
     sent = _bytes_sent() - before  # three barriers add a few hundred bytes, acknowledgements under 1%
     dist.barrier()

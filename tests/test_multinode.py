@@ -152,6 +152,7 @@ def test_reduce_scatter_between_three_hosts_rounds_once_per_host_on_a_16_bit_wir
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
 @pytest.mark.parametrize("op, dtype, wire, share", [
     ("reduce_scatter", "bfloat16", None, 0.5),  # 16-bit blocks cross as they are (widened: 1.0)
+    ("reduce_scatter-avg", "bfloat16", None, 0.5),  # FSDP2's bfloat16 gradients: AVG, 16-bit too
     ("reduce_scatter", "float32", None, 0.5),
     ("reduce_scatter", "float32", "bfloat16", 0.25),  # SMDDP_INTER_NODE_WIRE_DTYPE halves float32 sums
     ("all_gather", "bfloat16", None, 0.5),  # each host's inputs cross once (once per local rank: 1.0)
@@ -175,7 +176,8 @@ def test_hierarchical_collectives_send_each_byte_between_hosts_once(op, dtype, w
         procs = [cluster.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
                                    f"--node-rank={i}", f"--master-addr={cluster.names[0]}", "--master-port=29500",
                                    str(harness.WORKER), "tests.programs:link_bytes",
-                                   json.dumps({"op": op, "dtype": dtype}), tmp], env=env, **out)
+                                   json.dumps({"op": op.split("-")[0], "dtype": dtype,
+                                               "redop": op.split("-")[1] if "-" in op else "sum"}), tmp], env=env, **out)
                  for i in range(2)]
         cluster.wait_all(procs, timeout=300)
         reports = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(4)]

@@ -95,7 +95,7 @@ class GlooTransport(Transport):
         return lambda: self._run("all_gather", work)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp,
-                       accumulate: torch.dtype | None = None) -> None:
+                       accumulate: torch.dtype | None = None, divide_by: int | None = None) -> None:
         """An all_to_all of the input's blocks, then this rank's reduction of the blocks it got.
 
         Gloo's own reduce_scatter (either form) ignores a bounded wait, so a rank waiting in it
@@ -108,11 +108,11 @@ class GlooTransport(Transport):
         ``accumulate``: reduce the received blocks in this dtype and round once into ``output``
         (float32 for 16-bit blocks: 16 bits on the network, float32 arithmetic; the
         hierarchical transport's inter-host step). ``output`` may then differ from ``input``
-        in dtype."""
-        self.reduce_scatter_async(output, input, op, accumulate)()
+        in dtype. ``divide_by``: divide the reduction by it before that rounding (an average)."""
+        self.reduce_scatter_async(output, input, op, accumulate, divide_by)()
 
     def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor, op: RedOp,
-                             accumulate: torch.dtype | None = None):
+                             accumulate: torch.dtype | None = None, divide_by: int | None = None):
         """Start a reduce_scatter; returns the function that waits for its blocks, reduces them
         into ``output`` and raises as reduce_scatter would."""
         received = torch.empty_like(input)
@@ -130,6 +130,8 @@ class GlooTransport(Transport):
                 total.copy_(blocks[0])
                 for block in blocks[1:]:
                     COMBINE[op](total, block, out=total)
+            if divide_by is not None:
+                total.div_(divide_by)
             if total is not output:
                 output.copy_(total)
 

@@ -71,6 +71,7 @@ class Topology:
 class HierarchicalTransport(Transport):
     name = "hierarchical"
     accumulates_low_precision = True  # shm sums 16-bit in float32; so does the inter-host step
+    averages_bfloat16_reduce_scatter = True  # its last step sums in float32: it can divide there
 
     def __init__(self, store, rank: int, world_size: int, topology: Topology, intra_factory, timeout, config) -> None:
         super().__init__(rank, world_size)
@@ -261,8 +262,13 @@ class HierarchicalTransport(Transport):
         rows[self.by_local_index] = gathered.view(self.world_size, width)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+        # AVG (bfloat16 only: averages_bfloat16_reduce_scatter) is a SUM whose last, float32
+        # step divides before rounding; each host's sum is rounded once on the way, as in a SUM
+        divide_by = self.world_size if op is RedOp.AVG else None
+        op = RedOp.SUM if op is RedOp.AVG else op
         if not self._hierarchical("reduce_scatter", input.numel() * input.element_size()):
-            return self._flat_reduce_scatter(output, input, op)
+            return self.flat.reduce_scatter(output, input, op, accumulate=_float32_for_16_bit(input),
+                                            divide_by=divide_by)
         m, N = output.numel(), self.nodes
         blocks = input.view(self.world_size, m)
         # Pieces of every block, as the all_reduce's: each piece's exchange between hosts runs on
@@ -276,7 +282,7 @@ class HierarchicalTransport(Transport):
             host_sums = torch.empty(N * (columns.stop - start), dtype=input.dtype)
             self.intra.reduce_scatter(host_sums, grouped, op)  # my index's blocks, summed over my host
             sent = self._reduce_scatter_wire(host_sums, op)
-            finishes.append(self.inter.reduce_scatter_async(output[columns], sent, op,
+            finishes.append(self.inter.reduce_scatter_async(output[columns], sent, op, divide_by=divide_by,
                                                             accumulate=_float32_for_16_bit(sent)))
         failure = None
         for finish in finishes:  # in start order, as gloo matches them; all end before a raise
@@ -296,9 +302,6 @@ class HierarchicalTransport(Transport):
         if host_sums.dtype is torch.float32 and op is RedOp.SUM and self.wire is not None:
             return host_sums.to(self.wire)
         return host_sums
-
-    def _flat_reduce_scatter(self, output, input, op) -> None:
-        self.flat.reduce_scatter(output, input, op, accumulate=_float32_for_16_bit(input))
 
     # the rest is flat ----------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
