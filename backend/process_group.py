@@ -96,6 +96,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self.config = config or backend_config()
         self.timeout = timeout
         self._group_name = group_name
+        self._group_desc = ""  # c10d sets both (_set_group_name, _set_group_desc)
         self.transport, reason = create_transport(store, rank, world_size, global_ranks, timeout, self.config)
         self.collectives = Collectives(self.transport, self.config.checks_collectives)
         self._comm = CommThread(f"smddp-comm-{group_name or 'default'}", inline=self.transport.runs_inline)
@@ -135,7 +136,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     @property
     def group_desc(self) -> str:
-        return getattr(self, "_group_desc", "")
+        return self._group_desc
 
     # the one path every collective takes ---------------------------------------------------------
     def _run(self, op: str, tensors: list[torch.Tensor], outputs: list[torch.Tensor],

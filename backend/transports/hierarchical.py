@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -122,21 +122,13 @@ class HierarchicalTransport(Transport):
             return self._flat_all_reduce(tensor, op)
         n, L = tensor.numel(), self.per_node
         piece = max(L, self.chunk_bytes // tensor.element_size() // L * L)  # whole shards per piece
-        in_flight: list[tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]]] = []
+        started = []
         for start in range(0, n, piece):
             part = tensor[start : start + piece]
             padded, shard = self._reduce_in_host(part, op)
-            in_flight.append((part, padded, self._start_inter_all_reduce(shard, op)))
-        failure = None
-        for part, padded, finish_inter in in_flight:  # in start order, as gloo matches them
-            try:
-                total = finish_inter()
-            except Exception as exc:  # let the steps already started end before raising
-                failure = failure or exc
-            if failure is None:
-                self._gather_in_host(part, padded, total)
-        if failure is not None:
-            raise failure
+            started.append((self._start_inter_all_reduce(shard, op),
+                            lambda total, part=part, padded=padded: self._gather_in_host(part, padded, total)))
+        _end_in_start_order(started)
 
     def _reduce_in_host(self, tensor: torch.Tensor, op: RedOp) -> tuple[torch.Tensor, torch.Tensor]:
         """(``tensor`` padded to L equal shards, this rank's shard summed over its host)."""
@@ -224,7 +216,7 @@ class HierarchicalTransport(Transport):
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         if not self._hierarchical("all_gather", output.numel() * output.element_size()):
             return self.flat.all_gather(output, input)
-        m, L, N = input.numel(), self.per_node, self.nodes
+        m, N = input.numel(), self.nodes
         # Between hosts first: each rank gathers the inputs of the ranks with its local index, one
         # per host, so each host's link carries every other host's data once. (Gathering the
         # host's L inputs first and exchanging those sends them L times, once per local index:
@@ -232,23 +224,20 @@ class HierarchicalTransport(Transport):
         # Pieces of hierarchical_chunk_bytes of the output, the same columns of every rank's
         # input: all exchanges start at once, on gloo's threads, and each piece is gathered
         # inside the host and put in rank order while the later ones cross.
-        width = max(1, self.chunk_bytes // input.element_size() // self.world_size)
         rows = output.view(self.world_size, m)
         started = []
-        for start in range(0, m, width):
-            columns = slice(start, min(m, start + width))
-            across = torch.empty(N * (columns.stop - start), dtype=input.dtype)  # (N, width)
-            started.append((columns, across, self.inter.all_gather_async(across, input[columns])))
-        failure = None
-        for columns, across, finish_inter in started:  # in start order, as gloo matches them
-            try:
-                finish_inter()
-            except Exception as exc:  # let the exchanges already started end before raising
-                failure = failure or exc
-            if failure is None:
-                self._gather_in_host_in_rank_order(rows[:, columns], across)
-        if failure is not None:
-            raise failure
+        for columns in self._pieces(m, input.element_size()):
+            across = torch.empty(N * (columns.stop - columns.start), dtype=input.dtype)  # (N, width)
+            started.append((self.inter.all_gather_async(across, input[columns]),
+                            lambda _, columns=columns, across=across:
+                            self._gather_in_host_in_rank_order(rows[:, columns], across)))
+        _end_in_start_order(started)
+
+    def _pieces(self, m: int, element_size: int) -> list[slice]:
+        """The column ranges of a reduce_scatter's or all_gather's pieces: the same columns of
+        each of the world_size blocks of m elements, hierarchical_chunk_bytes in all."""
+        width = max(1, self.chunk_bytes // element_size // self.world_size)
+        return [slice(start, min(m, start + width)) for start in range(0, m, width)]
 
     def _gather_in_host_in_rank_order(self, rows: torch.Tensor, across: torch.Tensor) -> None:
         """Gather every local rank's ``across`` (its same-index peers' values, host by host) and
@@ -274,24 +263,15 @@ class HierarchicalTransport(Transport):
         # Pieces of every block, as the all_reduce's: each piece's exchange between hosts runs on
         # gloo's threads while this rank reduces the next piece inside the host. A piece is
         # hierarchical_chunk_bytes of the input: columns [start, start + width) of every block.
-        width = max(1, self.chunk_bytes // input.element_size() // self.world_size)
-        finishes = []
-        for start in range(0, m, width):
-            columns = slice(start, min(m, start + width))
+        started = []
+        for columns in self._pieces(m, input.element_size()):
             grouped = blocks[self.by_local_index, columns].reshape(-1)  # a copy: the piece, in (L, N) order
-            host_sums = torch.empty(N * (columns.stop - start), dtype=input.dtype)
+            host_sums = torch.empty(N * (columns.stop - columns.start), dtype=input.dtype)
             self.intra.reduce_scatter(host_sums, grouped, op)  # my index's blocks, summed over my host
             sent = self._reduce_scatter_wire(host_sums, op)
-            finishes.append(self.inter.reduce_scatter_async(output[columns], sent, op, divide_by=divide_by,
-                                                            accumulate=_float32_for_16_bit(sent)))
-        failure = None
-        for finish in finishes:  # in start order, as gloo matches them; all end before a raise
-            try:
-                finish()
-            except Exception as exc:
-                failure = failure or exc
-        if failure is not None:
-            raise failure
+            started.append((self.inter.reduce_scatter_async(output[columns], sent, op, divide_by=divide_by,
+                                                            accumulate=_float32_for_16_bit(sent)), None))
+        _end_in_start_order(started)
 
     def _reduce_scatter_wire(self, host_sums: torch.Tensor, op: RedOp) -> torch.Tensor:
         """What this rank sends between hosts in a reduce_scatter; the receiving rank reduces
@@ -325,6 +305,24 @@ class HierarchicalTransport(Transport):
     def close(self) -> None:
         for t in (self.intra, self.inter, self.flat):
             t.close()
+
+
+def _end_in_start_order(started: list[tuple[Callable[[], Any], Callable[[Any], None] | None]]) -> None:
+    """Wait for inter-host steps in the order they were started (gloo matches them across ranks
+    by that order), handing each one's result to its follow-up (a step inside the host) while
+    none has failed. After a failure the later steps are still waited for, so that every step
+    started ends, and then the first failure is raised."""
+    failure = None
+    for finish, then in started:
+        try:
+            result = finish()
+        except Exception as exc:
+            failure = failure or exc
+            continue
+        if failure is None and then is not None:
+            then(result)
+    if failure is not None:
+        raise failure
 
 
 def _float32_for_16_bit(sent: torch.Tensor) -> torch.dtype | None:
