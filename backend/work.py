@@ -24,9 +24,12 @@ from .errors import PeerFailureError, SMDDPError
 class SMDDPWork(dist._Work):
     """Handle of one collective: ``wait``, ``is_completed``, ``get_future`` and errors on ``wait``.
 
-    An exception set on a future is invisible to C++ callers such as DDP's reducer, so failures
-    are raised from ``wait()`` as ``DistBackendError`` (and also set on the future, for Python
-    callers that chain ``then``).
+    Failures are raised from ``wait()`` as ``DistBackendError``, and set on the future as an error
+    that C++ sees. ``Future.set_exception`` would not do: it is Python's own, and completes the
+    future with the exception as its *value*, which DDP's reducer takes for the reduced bucket
+    and crashes on (a peer dying during ``backward()`` killed the surviving ranks with SIGSEGV).
+    An exception raised by a ``then`` callback is a real error of the future ``then`` returns, so
+    the future users get is that of a callback which raises the failure, or returns the outputs.
     """
 
     def __init__(self, describe: str, outputs: list[torch.Tensor], timeout: timedelta) -> None:
@@ -36,15 +39,18 @@ class SMDDPWork(dist._Work):
         self._timeout_s = timeout.total_seconds()
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._future: torch.futures.Future = torch.futures.Future()
+        self._completed: torch.futures.Future = torch.futures.Future()
+        self._future = self._completed.then(self._outcome)
+
+    def _outcome(self, _completed: torch.futures.Future) -> list[torch.Tensor]:
+        if self._error is not None:
+            raise as_backend_error(self._error)
+        return self._outputs
 
     # called by the communication thread
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
-        if error is None:
-            self._future.set_result(self._outputs)
-        else:
-            self._future.set_exception(as_backend_error(error))
+        self._completed.set_result(None)  # runs _outcome: completes _future with the outputs or the error
         self._done.set()
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:

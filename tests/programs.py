@@ -122,6 +122,48 @@ def peer_stuck() -> dict:
     return _error_of(lambda: dist.all_reduce(torch.ones(1000)))
 
 
+def ddp_peer_dies(die_after_forward: int = 2) -> dict:
+    """Rank 1 exits abruptly between its forward and backward pass of a DDP step; the other ranks'
+    backward, whose gradient all_reduce DDP's reducer takes through the work's future, must raise
+    naming it (a future completed with the error as its value made the reducer crash instead)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    smddp_lite.init(timeout=timedelta(seconds=120))
+    model = DDP(torch.nn.Linear(256, 256))
+    for step in range(die_after_forward + 1):
+        loss = model(torch.randn(8, 256)).sum()
+        if step == die_after_forward:
+            if dist.get_rank() == 1:
+                os._exit(3)
+            return _error_of(loss.backward)
+        loss.backward()
+    raise AssertionError("unreachable")
+
+
+def large_messages(numel: int) -> dict:
+    """A broadcast, all_reduce and all_gather of ``numel`` float32 each, large enough that MPICH
+    would copy them between ranks of a host with process_vm_readv: whether each result is exact
+    (until the first error), the error, and MPICH's cross-memory-attach setting as the rank saw it."""
+    smddp_lite.init(timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    expected = torch.arange(numel, dtype=torch.float32)
+    exact = {}
+
+    def run() -> None:
+        b = expected.clone() if rank == 0 else torch.zeros(numel)
+        dist.broadcast(b, 0)
+        exact["broadcast"] = bool(torch.equal(b, expected))
+        a = torch.full((numel,), float(rank + 1))
+        dist.all_reduce(a)
+        exact["all_reduce"] = bool((a == world * (world + 1) / 2).all())
+        g = torch.empty(world * numel)
+        dist.all_gather_into_tensor(g, torch.full((numel,), float(rank)))
+        exact["all_gather"] = bool((g.view(world, numel) == torch.arange(world, dtype=torch.float32)[:, None]).all())
+
+    error = _error_of(run)
+    return {"exact": exact, "error": error, "cma": os.environ.get("MPIR_CVAR_CH4_CMA_ENABLE")}
+
+
 def after_destroy() -> dict:
     smddp_lite.init()
     group = dist.group.WORLD

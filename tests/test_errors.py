@@ -133,6 +133,28 @@ def test_dead_peer_raises_naming_rank_and_op(transport):
     assert error["seconds"] < 60, error  # the group timeout is 120 s: detected, not timed out
 
 
+DDP_DEATH_LAUNCHES = {  # transport: (ranks, launch arguments)
+    "shm": (2, {"env": {"SMDDP_TRANSPORT": "shm"}}),
+    "gloo": (2, {"env": {"SMDDP_TRANSPORT": "gloo"}}),
+    # 2 simulated hosts x 2 ranks: rank 0 shares rank 1's host, ranks 2 and 3 reach it through gloo
+    "hierarchical": (4, {"env": {"SMDDP_ALGORITHM": "hierarchical"}, "hosts_of": 2}),
+}
+
+
+@pytest.mark.parametrize("transport", sorted(DDP_DEATH_LAUNCHES))
+def test_peer_dying_during_ddp_backward_raises_on_every_survivor(transport):
+    """DDP's reducer takes each bucket's all_reduce through the work's future, not its wait():
+    the failure must be an error of that future, which backward() raises, on every rank left."""
+    world, launch = DDP_DEATH_LAUNCHES[transport]
+    results = harness.launch("tests.programs:ddp_peer_dies", world, **launch)
+    assert results[1].returncode == 3, results[1].output[-3000:]
+    for result in results[:1] + results[2:]:
+        error = result.value
+        assert result.returncode == 0 and error is not None, (result.rank, result.returncode, result.output[-3000:])
+        assert "PeerFailureError" in error["message"] and "all_reduce" in error["message"], (result.rank, error)
+        assert error["seconds"] < 60, (result.rank, error)  # the group timeout is 120 s: detected, not timed out
+
+
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
 def test_stuck_peer_times_out_with_the_group_timeout(transport):
     results = harness.launch("tests.programs:peer_stuck", 2, env=TRANSPORT_ENVS[transport])
