@@ -32,3 +32,12 @@ if not _log.handlers and not _logging.getLogger().handlers:
     _log.addHandler(_handler)
     _log.setLevel(_logging.INFO)
     _log.propagate = False
+
+# Under an MPI launcher, settle what MPICH must know before it starts, in case the script starts
+# MPI itself (``from mpi4py import MPI``) before smddp_lite would (backend/transports/mpi_environment.py).
+from .launch import _launched_by_mpi  # noqa: E402
+
+if _launched_by_mpi():
+    from smddp_lite.backend.transports.mpi_environment import prepare as _prepare_mpi
+
+    _prepare_mpi()

@@ -58,8 +58,10 @@ def init(backend: str = BACKEND_NAME, init_method: str | None = None, rank: int 
 
 def _mpi_rendezvous(timeout: timedelta | None):
     """Rank 0 opens a TCPStore on an OS-chosen port; an MPI broadcast tells every rank where."""
+    from smddp_lite.backend.transports.mpi_environment import import_mpi
+
     try:
-        from mpi4py import MPI
+        MPI = import_mpi()
     except ImportError:
         raise ImportError(
             "smddp-lite: launched by mpiexec but mpi4py is missing; pip install 'smddp-lite[mpi]'"

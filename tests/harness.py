@@ -102,11 +102,13 @@ def mpiexec() -> str | None:
 
 
 def launch_mpi(target: str, world_size: int, *, env: dict[str, str] | None = None, timeout: float = 180,
-               **kwargs: Any) -> list[RankResult]:
-    """Run ``target`` under ``mpiexec -n world_size`` (no RANK/WORLD_SIZE: the MPI way)."""
+               prefix: list[str] | None = None, **kwargs: Any) -> list[RankResult]:
+    """Run ``target`` under ``mpiexec -n world_size`` (no RANK/WORLD_SIZE: the MPI way).
+    ``prefix``: a command that runs mpiexec (forbid_process_vm_readv.py, say)."""
     with tempfile.TemporaryDirectory(prefix="smddp-mpi-") as tmp:
         proc = subprocess.Popen(
-            [mpiexec(), "-n", str(world_size), sys.executable, str(WORKER), target, json.dumps(kwargs), tmp],
+            [*(prefix or []), mpiexec(), "-n", str(world_size), sys.executable, str(WORKER), target,
+             json.dumps(kwargs), tmp],
             env=_base_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         )
         (result,) = _collect([proc], Path(tmp), timeout)

@@ -15,13 +15,12 @@ import torch
 from ..errors import PeerFailureError, where
 from ..ops import RedOp
 from .base import Transport
+from .mpi_environment import cma_requested_where_blocked, import_mpi
 from .refusals import POLL_S
 
 
 def _mpi():
-    from mpi4py import MPI  # imported lazily: MPI_Init belongs to jobs that use this transport
-
-    return MPI
+    return import_mpi()  # imported lazily: MPI_Init belongs to jobs that use this transport
 
 
 _MPI_OP = {RedOp.SUM: "SUM", RedOp.PRODUCT: "PROD", RedOp.MIN: "MIN", RedOp.MAX: "MAX",
@@ -83,6 +82,22 @@ class MPITransport(Transport):
         if self.comm.Get_rank() != rank:
             raise RuntimeError(f"{where(rank, world_size, 'init')} MPI rank {self.comm.Get_rank()} != group rank")
 
+    def _run(self, op: str, start) -> None:
+        """Start a non-blocking MPI call (``start()`` returns its request) and wait for it. An MPI
+        error on this rank is announced to the peers (refusals.RefusalBoard.announce_failure),
+        which would otherwise wait in the call until the timeout, and raised with what to do."""
+        try:
+            self._wait(op, start())
+        except self._MPI.Exception as exc:
+            message = f"MPI failed: {exc}".rstrip()
+            if self.refusals is not None:
+                self.refusals.announce_failure(self.call_index, f"{op}: {message}")
+            hint = (" MPICH was told to copy between ranks with process_vm_readv (MPIR_CVAR_CH4_CMA_ENABLE), "
+                    "which this process may not call (a container without CAP_SYS_PTRACE?): unset that variable "
+                    "to let smddp_lite turn it off, or run the container with --cap-add SYS_PTRACE."
+                    if cma_requested_where_blocked() else "")
+            raise PeerFailureError(f"{self.where(op)} {message}.{hint}") from exc
+
     def _wait(self, op: str, request) -> None:
         """Drive ``request`` to completion, raising once the group's timeout passes.
 
@@ -117,15 +132,15 @@ class MPITransport(Transport):
         step = max(1, _ALL_REDUCE_PIECE_BYTES // max(1, flat.element_size()))
         for start in range(0, max(1, flat.numel()), step):
             piece = flat[start : start + step]
-            self._wait("all_reduce", self.comm.Iallreduce(self._MPI.IN_PLACE, _buf(piece), self._op(op)))
+            self._run("all_reduce", lambda: self.comm.Iallreduce(self._MPI.IN_PLACE, _buf(piece), self._op(op)))
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        self._wait("broadcast", self.comm.Ibcast(_buf(tensor), root=root))
+        self._run("broadcast", lambda: self.comm.Ibcast(_buf(tensor), root=root))
 
     def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
         buf = _buf(tensor)
         send = self._MPI.IN_PLACE if self.rank == root else buf
-        self._wait("reduce", self.comm.Ireduce(send, buf if self.rank == root else None, self._op(op), root=root))
+        self._run("reduce", lambda: self.comm.Ireduce(send, buf if self.rank == root else None, self._op(op), root=root))
 
     # MPI refuses aliased send and receive buffers ("Buffers must not be aliased"), which torch's
     # in-place forms produce: all_gather passes MPI_IN_PLACE, the others send from a copy.
@@ -133,17 +148,17 @@ class MPITransport(Transport):
         n = input.numel()
         in_place = n and input.data_ptr() == output[self.rank * n :].data_ptr()
         send = self._MPI.IN_PLACE if in_place else _buf(_unaliased(input, output))
-        self._wait("all_gather", self.comm.Iallgather(send, _buf(output)))
+        self._run("all_gather", lambda: self.comm.Iallgather(send, _buf(output)))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         send = _buf(_unaliased(input, output))
-        self._wait("reduce_scatter", self.comm.Ireduce_scatter_block(send, _buf(output), self._op(op)))
+        self._run("reduce_scatter", lambda: self.comm.Ireduce_scatter_block(send, _buf(output), self._op(op)))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self._wait("all_to_all", self.comm.Ialltoall(_buf(_unaliased(input, output)), _buf(output)))
+        self._run("all_to_all", lambda: self.comm.Ialltoall(_buf(_unaliased(input, output)), _buf(output)))
 
     def barrier(self) -> None:
-        self._wait("barrier", self.comm.Ibarrier())
+        self._run("barrier", lambda: self.comm.Ibarrier())
 
     def close(self) -> None:
         if getattr(self, "comm", None) is not None and not self._MPI.Is_finalized():

@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..errors import PeerRefusedError
+from ..errors import PeerFailureError, PeerRefusedError
 
 POLL_S = 0.05
 """How often a waiting rank looks for a refusal of its call (each look is one store round trip)."""
@@ -35,6 +35,9 @@ a call starts, so it is nearly always heard early, and hundreds of ranks waiting
 rank would otherwise send thousands of requests a second to the store's host."""
 
 REFUSED, LEFT = "refused", "left"
+FAILED_IN_CALL, FAILED_KEY = "failed in call", "failed"
+"""What a failure's announcement says after the rank's number, and its key: one for the whole
+group, since the peers may have left the failed call and be waiting in a later one."""
 
 
 class RefusalBoard:
@@ -49,6 +52,10 @@ class RefusalBoard:
         incarnation = (store.add("smddp-refused/incarnations", 1) - 1) // world_size
         self._store = dist.PrefixStore(f"smddp-refused/{incarnation}", store)
         self._looking_at = (0, 0.0, 0.0)  # (call, first look, last look) of the current wait
+        self.hears_failures = False
+        """Whether waits also look for a failure announced in any call (announce_failure): a
+        second store round trip per look, so only transports whose failures can stay on one rank
+        (MPI) turn it on."""
 
     # the refusing rank ----------------------------------------------------------------------------
     def post(self, call: int, reason: str) -> str | None:
@@ -72,12 +79,26 @@ class RefusalBoard:
                 "call, so the ranks' calls no longer line up. This process group can no longer be used; fix the "
                 "input and restart the job (or destroy and re-create the group).")
 
+    # a failing rank -------------------------------------------------------------------------------
+    def announce_failure(self, call: int, reason: str) -> None:
+        """This rank's part of call ``call`` failed with ``reason`` (its error text) in a way its
+        peers may not see: an MPI error raised on one rank only leaves the others waiting for the
+        group's timeout, in that call or, where their part of it could end without this rank, in
+        a later one (and, under mpiexec, leaves this rank waiting for them in MPI_Finalize). Peers
+        waiting in any call of the group hear it as they hear a refusal. Does not wait; a store
+        that cannot be reached is ignored (the peers then wait as before)."""
+        try:
+            self._store.set(FAILED_KEY, f"rank {self.rank} {FAILED_IN_CALL} #{call}: {reason}")
+        except (RuntimeError, OSError):
+            pass
+
     # a waiting rank -------------------------------------------------------------------------------
     def heard(self, call: int) -> str | None:
-        """What a refusing rank said of call ``call``, recording that this rank leaves the call;
-        None if no rank refused it, if the current wait looked too recently, or if the store
-        cannot be reached (its host died: the transport reports that peer's failure itself,
-        naming it, which a store error would not)."""
+        """What a refusing rank said of call ``call``, recording that this rank leaves the call, or
+        (``hears_failures``) what a failing rank said of its failure in any call; None if neither
+        happened, if the current wait looked too recently, or if the store cannot be reached (its
+        host died: the transport reports that peer's failure itself, naming it, which a store
+        error would not)."""
         now = time.monotonic()
         looked_call, first, last = self._looking_at
         if looked_call != call:
@@ -87,18 +108,26 @@ class RefusalBoard:
         self._looking_at = (call, first, now)
         key = str(call)
         try:
-            if not self._store.check([key]):
-                return None
-            said = self._store.get(key).decode(errors="replace")
-            self._store.set(f"{key}/{self.rank}", LEFT)
+            if self._store.check([key]):
+                said = self._store.get(key).decode(errors="replace")
+                self._store.set(f"{key}/{self.rank}", LEFT)
+                return said
+            if self.hears_failures and self._store.check([FAILED_KEY]):
+                return self._store.get(FAILED_KEY).decode(errors="replace")
         except (RuntimeError, OSError):  # DistStoreError and socket errors
             return None
-        return said
+        return None
 
     def raise_if_refused(self, call: int, prefix: str) -> None:
         """Raise PeerRefusedError (its text after ``prefix``, errors.where's) on this waiting
-        rank if a peer refused call ``call``."""
+        rank if a peer refused call ``call``, or PeerFailureError if one announced that it failed
+        in it."""
         said = self.heard(call)
+        if said is not None and FAILED_IN_CALL in said:
+            raise PeerFailureError(
+                f"{prefix} {said}. The call cannot complete without that rank, so this process group can "
+                "no longer be used; that rank's error says why it failed. Restart the job once it is fixed."
+            )
         if said is not None:
             raise PeerRefusedError(
                 f"{prefix} {said}. The call cannot complete without that rank, and this "

@@ -122,4 +122,5 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
 
         transport = GlooTransport(store, rank, world_size, timeout)
     transport.refusals = RefusalBoard(store, rank, world_size, timeout)  # shared memory and the hierarchical transport have their own
+    transport.refusals.hears_failures = name == "mpi"  # an MPI error can stay on the rank that had it
     return transport, reason
