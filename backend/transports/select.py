@@ -10,6 +10,7 @@ import socket
 from ..errors import where
 from .base import Transport
 from .hierarchical import Topology
+from .mpi_environment import cross_memory_attach_permitted
 from .refusals import RefusalBoard
 
 log = logging.getLogger("smddp_lite")
@@ -55,12 +56,14 @@ def _choose(store, rank: int, world_size: int, config) -> tuple[str, str, list[s
                      topo.describe())
     if forced != "auto":
         name, reason = forced, "forced by SMDDP_TRANSPORT"
-    elif launched_by_mpi() and _has_mpi4py():
+    elif launched_by_mpi() and _has_mpi4py() and _mpi_preferred(same_host):
         # measured on one 2-core host: MPICH's shared-memory path has half our shm transport's
         # small-message latency (35 vs 60 us) and the same bandwidth (benchmarks/results/)
         name, reason = "mpi", f"launched by mpiexec, ranks on {len(set(hosts))} host(s)"
     elif same_host and _shm_possible():
         name, reason = "shm", f"all {world_size} ranks on host {hosts[0]}"
+        if launched_by_mpi() and _has_mpi4py():
+            reason += "; launched by mpiexec, but process_vm_readv is forbidden here, and MPICH is slower without it"
     else:
         name, reason = "gloo", f"ranks on {len(set(hosts))} hosts"
     if name == "shm" and not same_host:
@@ -70,6 +73,16 @@ def _choose(store, rank: int, world_size: int, config) -> tuple[str, str, list[s
         )
     store.set("transport", f"{name}|{reason}")
     return name, reason, hosts
+
+
+def _mpi_preferred(same_host: bool) -> bool:
+    """Whether a job that mpiexec started runs on MPI: yes, unless every rank shares a host where
+    shared memory works and process_vm_readv is forbidden (a container without CAP_SYS_PTRACE).
+    MPICH then copies large messages through its queues (mpi_environment.py), and in the
+    project's image ran all_reduce, all_gather and broadcast 1.4-2.2x slower than shm from
+    256 KiB to 4 MiB, tied all_reduce above, and took 87x as long for a 64 MiB broadcast
+    (benchmarks/results/2026-11-23-docker-image.md)."""
+    return not (same_host and _shm_possible()) or cross_memory_attach_permitted()
 
 
 def _has_mpi4py() -> bool:
