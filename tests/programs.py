@@ -164,6 +164,11 @@ def large_messages(numel: int) -> dict:
     return {"exact": exact, "error": error, "cma": os.environ.get("MPIR_CVAR_CH4_CMA_ENABLE")}
 
 
+def init_only() -> dict:
+    """Start the default group (its transport's setup included) and report the error, if any."""
+    return _error_of(lambda: smddp_lite.init(timeout=timedelta(seconds=60)))
+
+
 def after_destroy() -> dict:
     smddp_lite.init()
     group = dist.group.WORLD

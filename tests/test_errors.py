@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -153,6 +161,28 @@ def test_peer_dying_during_ddp_backward_raises_on_every_survivor(transport):
         assert result.returncode == 0 and error is not None, (result.rank, result.returncode, result.output[-3000:])
         assert "PeerFailureError" in error["message"] and "all_reduce" in error["message"], (result.rank, error)
         assert error["seconds"] < 60, (result.rank, error)  # the group timeout is 120 s: detected, not timed out
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="mounting a small /dev/shm in a private mount namespace needs root and unshare")
+def test_full_dev_shm_says_so_on_every_rank_instead_of_crashing():
+    """A segment larger than /dev/shm's free room (Docker's is 64 MB) used to be mapped anyway,
+    and the first write past the room killed the ranks with SIGBUS. Now its pages are taken at
+    init, and every rank raises saying what to change. Both ranks run under torchrun in one
+    mount namespace whose /dev/shm is a 16 MB tmpfs; the segment needs 32 MiB."""
+    with tempfile.TemporaryDirectory(prefix="smddp-shm-") as tmp:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   str(harness.WORKER), "tests.programs:init_only", "{}", tmp]
+        env = harness._base_env({"SMDDP_TRANSPORT": "shm", "SMDDP_SHM_CHUNK_BYTES": str(8 << 20)})
+        done = subprocess.run(["unshare", "--mount", "sh", "-c",
+                               'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec "$@"', "sh", *command],
+                              env=env, cwd=harness.ROOT, capture_output=True, text=True, timeout=120)
+        reports = [json.loads((Path(tmp) / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, report in enumerate(reports):
+        error = report.get("value")
+        assert error and error["type"] == "OSError", (rank, report, done.stdout[-3000:], done.stderr[-3000:])
+        assert "needs 32 MiB in /dev/shm" in error["message"] and "--shm-size" in error["message"], (rank, error)
+        assert error["seconds"] < 30, (rank, error)
 
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))

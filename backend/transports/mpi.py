@@ -140,7 +140,8 @@ class MPITransport(Transport):
     def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
         buf = _buf(tensor)
         send = self._MPI.IN_PLACE if self.rank == root else buf
-        self._run("reduce", lambda: self.comm.Ireduce(send, buf if self.rank == root else None, self._op(op), root=root))
+        receive = buf if self.rank == root else None
+        self._run("reduce", lambda: self.comm.Ireduce(send, receive, self._op(op), root=root))
 
     # MPI refuses aliased send and receive buffers ("Buffers must not be aliased"), which torch's
     # in-place forms produce: all_gather passes MPI_IN_PLACE, the others send from a copy.

@@ -16,6 +16,7 @@ the non-temporal stores large copies may use. ``select`` only offers this transp
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import time
@@ -192,6 +193,32 @@ def _alive(pid: int) -> bool:
         return False
 
 
+_FAILED = "failed:"
+
+
+def _reserve(fd: int, path: str, size: int, rank: int, world_size: int, store) -> None:
+    """Give the segment its pages now. ftruncate alone leaves them to be taken as the
+    collectives first write them, and where /dev/shm is full then (Docker gives a container
+    64 MB; DataLoader workers share tensors there) that write kills the process with SIGBUS.
+    posix_fallocate fails here instead, and the error says what to change; the other ranks,
+    waiting for the segment's name, get the same text."""
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG):  # a file system that cannot reserve: as before
+            return
+        os.unlink(path)
+        stats = os.statvfs("/dev/shm")
+        message = (f"the shared-memory transport needs {size / 2**20:.0f} MiB in /dev/shm for this group of "
+                   f"{world_size} ranks, and /dev/shm has {stats.f_bavail * stats.f_frsize / 2**20:.0f} MiB free of "
+                   f"{stats.f_blocks * stats.f_frsize / 2**20:.0f} MiB ({exc.strerror}). Give it more room (docker run "
+                   "--shm-size=1g; on Kubernetes an emptyDir with medium: Memory at /dev/shm), lower "
+                   "SMDDP_SHM_CHUNK_BYTES (the segment is 2 x ranks x that), or set SMDDP_TRANSPORT=gloo.")
+        store.set("shm/path", _FAILED + message)
+        raise OSError(exc.errno, f"{where(rank, world_size, 'init')} {message}") from None
+
+
 def _map_shared(store, rank: int, world_size: int, size: int, timeout_s: float) -> mmap.mmap:
     """Rank 0 creates the segment and every rank maps it; the file is unlinked as soon as all have
     mapped it, so nothing is left in /dev/shm even if the job is killed."""
@@ -199,13 +226,15 @@ def _map_shared(store, rank: int, world_size: int, size: int, timeout_s: float) 
         path = f"/dev/shm/smddp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            _reserve(fd, path, size, rank, world_size, store)
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         store.set("shm/path", path)
     else:
         path = store.get("shm/path").decode()
+        if path.startswith(_FAILED):  # rank 0 could not make the segment: its error, on every rank
+            raise OSError(errno.ENOSPC, f"{where(rank, world_size, 'init')} {path[len(_FAILED):]}")
         fd = os.open(path, os.O_RDWR)
         try:
             mm = mmap.mmap(fd, size)
