@@ -111,14 +111,15 @@ class SimCluster:
 
     def _create(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
-        self._created.append(("link", "del", self.bridge))
+        self._created.append(("ip", "link", "del", self.bridge))
         _ip("link", "set", self.bridge, "up")
+        self._let_bridge_forward()
         for i, ns in enumerate(self.ns):
             _ip("netns", "add", ns)
-            self._created.append(("netns", "del", ns))
+            self._created.append(("ip", "netns", "del", ns))
             port = f"{self.bridge}p{i}"
             _ip("link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            self._created.append(("link", "del", port))
+            self._created.append(("ip", "link", "del", port))
             _ip("link", "set", port, "master", self.bridge, "up")
             _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
@@ -132,6 +133,23 @@ class SimCluster:
             f.write("127.0.0.1 localhost\n")
             f.writelines(f"{addr} {name}\n" for addr, name in zip(self.addresses, self.names))
 
+    def _let_bridge_forward(self) -> None:
+        """Let frames between the hosts' ports cross the bridge where iptables filters bridged
+        traffic. A Docker engine loads br_netfilter (so bridged frames meet the FORWARD chain) and
+        sets that chain's policy to DROP; the hosts then could not reach each other, and a job's
+        rendezvous waited until its timeout. The rule accepts this bridge's own traffic only, and
+        goes with the cluster."""
+        try:
+            with open("/proc/sys/net/bridge/bridge-nf-call-iptables") as f:
+                filtered = f.read().strip() == "1"
+        except OSError:  # no br_netfilter: bridged frames skip iptables
+            return
+        if not filtered or shutil.which("iptables") is None:
+            return
+        rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        subprocess.run(["iptables", "-I", *rule], check=True, capture_output=True)
+        self._created.append(("iptables", "-D", *rule))
+
     def close(self) -> None:
         for p in self.procs:  # each was started in its own session: end everything it started
             with contextlib.suppress(ProcessLookupError):  # it has ended already
@@ -143,7 +161,7 @@ class SimCluster:
                 continue
         self.procs.clear()
         for cmd in reversed(self._created):
-            subprocess.run(["ip", *cmd], capture_output=True)
+            subprocess.run(list(cmd), capture_output=True)
         self._created.clear()
         if self._hosts_file and os.path.exists(self._hosts_file):
             os.unlink(self._hosts_file)
