@@ -153,8 +153,8 @@ class Collectives:
         self._agree("reduce_scatter", src.dtype, dst.numel(), int(op))
         if src.dtype is torch.bool:
             self.transport.reduce_scatter(dst.view(torch.uint8), src.view(torch.uint8), _BOOL_OP[op])
-        elif op is RedOp.AVG and src.dtype is torch.bfloat16 and self.transport.averages_bfloat16_reduce_scatter:
-            self.transport.reduce_scatter(dst, src, op)  # 16-bit between hosts (widened: twice the bytes)
+        elif src.dtype in self.transport.reduce_scatters_16_bit and op in (RedOp.SUM, RedOp.AVG):
+            self.transport.reduce_scatter(dst, src, op)  # 16 bits on the network (widened: twice the bytes)
         else:
             wire_out, wire_op, finish = self._wire(dst, op)
             wire_in = src.float() if wire_out is not dst else src

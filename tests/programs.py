@@ -435,6 +435,31 @@ def reduce_scatter_rounding(dtype: str, numel_per_rank: int = 1024) -> list[floa
     return sorted(set(out.float().tolist()))
 
 
+def reduce_scatter_16_bit_sums(dtype: str, op: str, numel_per_rank: int = 4096) -> dict:
+    """A 16-bit reduce_scatter_tensor of random values (seeded by rank), against two references
+    this rank computes from every rank's input: summed in float32 and rounded once (after the
+    division, for AVG), and summed in the 16-bit dtype itself. Returns whether the result equals
+    each, and how many elements the two references differ in (so the check can fail)."""
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kind = getattr(torch, dtype)
+    inputs = [torch.randn(numel_per_rank * world, generator=torch.Generator().manual_seed(r)).to(kind)
+              for r in range(world)]
+    out = torch.empty(numel_per_rank, dtype=kind)
+    dist.reduce_scatter_tensor(out, inputs[rank], op=getattr(dist.ReduceOp, op))
+    mine = torch.stack([x.view(world, -1)[rank] for x in inputs])  # (world, n): my block from every rank
+    wide = mine.float().sum(0)
+    narrow = mine[0].clone()
+    for block in mine[1:]:
+        narrow += block
+    if op == "AVG":
+        wide, narrow = wide / world, narrow / world
+    once = wide.to(kind)
+    dist.destroy_process_group()
+    return {"float32_once": bool(torch.equal(out, once)), "in_16_bit": bool(torch.equal(out, narrow)),
+            "references_differ_in": int((once != narrow).sum())}
+
+
 def functional_collectives() -> dict:
     """torch's functional collectives (what DTensor, tensor parallelism and compiled code call):
     they find the process group by its name in c10d's registry."""

@@ -94,3 +94,15 @@ def test_conformance(name, world, backend, env, launcher, group):
             failures.append(f"rank {rank} {case}: {status}")
     assert ran > 0, f"no cases ran for {group}"
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
+
+
+@pytest.mark.parametrize("op", ["SUM", "AVG"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gloo_16_bit_reduce_scatter_sums_in_float32_and_rounds_once(dtype, op):
+    """The gloo transport takes 16-bit reduce_scatters as they are (half the bytes of widening
+    them) and must still give what widening gave: the float32 sum, divided for AVG, rounded once."""
+    results = harness.launch("tests.programs:reduce_scatter_16_bit_sums", 3, env={"SMDDP_TRANSPORT": "gloo"},
+                             dtype=dtype, op=op)
+    for report in harness.values(results):
+        assert report["references_differ_in"] > 0, report
+        assert report["float32_once"] and not report["in_16_bit"], report

@@ -157,6 +157,10 @@ def test_reduce_scatter_between_three_hosts_rounds_once_per_host_on_a_16_bit_wir
     ("reduce_scatter", "float32", "bfloat16", 0.25),  # SMDDP_INTER_NODE_WIRE_DTYPE halves float32 sums
     ("all_gather", "bfloat16", None, 0.5),  # each host's inputs cross once (once per local rank: 1.0)
     ("all_gather", "float32", "bfloat16", 0.5),  # no sums, so no wire dtype: the bits as they are
+    # the flat gloo transport (forced here; chosen where hosts hold different numbers of ranks):
+    # each rank sends the other host's ranks their blocks unreduced, 16-bit as they are (widened: 2.0)
+    ("reduce_scatter-sum-gloo", "bfloat16", None, 1.0),
+    ("reduce_scatter-avg-gloo", "bfloat16", None, 1.0),
 ])
 def test_hierarchical_collectives_send_each_byte_between_hosts_once(op, dtype, wire, share):
     # 2 hosts x 2 ranks. reduce_scatter: a host sends the half of the blocks the other host's
@@ -169,15 +173,18 @@ def test_hierarchical_collectives_send_each_byte_between_hosts_once(op, dtype, w
 
     from . import harness
 
-    env = {**harness._base_env({"SMDDP_ALGORITHM": "hierarchical", "GLOO_SOCKET_IFNAME": "eth0"}),
+    parts = op.split("-")  # op[-redop[-transport]]
+    op, redop, transport = parts[0], (parts[1:2] or ["sum"])[0], (parts[2:3] or ["hierarchical"])[0]
+    placement = {"SMDDP_ALGORITHM": "hierarchical"} if transport == "hierarchical" else \
+        {"SMDDP_ALGORITHM": "flat", "SMDDP_TRANSPORT": transport}
+    env = {**harness._base_env({**placement, "GLOO_SOCKET_IFNAME": "eth0"}),
            **({"SMDDP_INTER_NODE_WIRE_DTYPE": wire} if wire else {})}
     with tempfile.TemporaryDirectory(prefix="smddp-test-") as tmp, SimCluster(2) as cluster:
         out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs = [cluster.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
                                    f"--node-rank={i}", f"--master-addr={cluster.names[0]}", "--master-port=29500",
                                    str(harness.WORKER), "tests.programs:link_bytes",
-                                   json.dumps({"op": op.split("-")[0], "dtype": dtype,
-                                               "redop": op.split("-")[1] if "-" in op else "sum"}), tmp], env=env, **out)
+                                   json.dumps({"op": op, "dtype": dtype, "redop": redop}), tmp], env=env, **out)
                  for i in range(2)]
         cluster.wait_all(procs, timeout=300)
         reports = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(4)]

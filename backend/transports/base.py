@@ -21,10 +21,11 @@ class Transport(abc.ABC):
     accumulates_low_precision: bool = False
     """True when the transport itself sums float16/bfloat16 in float32 (so callers need not
     upcast before sending)."""
-    averages_bfloat16_reduce_scatter: bool = False
-    """True when reduce_scatter takes AVG on bfloat16 itself (summing in float32 and dividing
-    before the last rounding), so the algorithms layer need not widen the tensors to float32 for
-    it: what FSDP2 sends with reduce_dtype=bfloat16."""
+    reduce_scatters_16_bit: frozenset = frozenset()
+    """16-bit float dtypes whose SUM and AVG reduce_scatter this transport takes as they are: it
+    sums them in float32 and divides an AVG before the single rounding into the output, so the
+    algorithms layer need not widen them to float32, which doubles the bytes moved (FSDP2 sends
+    bfloat16 AVG with reduce_dtype=bfloat16, ZeRO 16-bit SUM)."""
     checks_signatures: bool = False
     """True when every collective already verifies op, dtype and size across ranks."""
     runs_inline: bool = False

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerFailureError
-from ..ops import COMBINE, RedOp
+from ..ops import COMBINE, LOW_PRECISION, RedOp
 from .base import Transport
 from .refusals import POLL
 
@@ -34,6 +34,10 @@ class _SliceEnded(Exception):
 
 class GlooTransport(Transport):
     name = "gloo"
+    # its reduce_scatter is an all_to_all of the inputs' blocks and a local sum, so 16-bit blocks
+    # can cross as they are and be summed (and an AVG divided) in float32: the widened float32
+    # blocks it received before gave the same bits in twice the bytes
+    reduce_scatters_16_bit = frozenset(LOW_PRECISION)
 
     def __init__(self, store, rank: int, world_size: int, timeout) -> None:
         super().__init__(rank, world_size)
@@ -106,15 +110,20 @@ class GlooTransport(Transport):
         transport.md); it needs one input-sized buffer for the blocks.
 
         ``accumulate``: reduce the received blocks in this dtype and round once into ``output``
-        (float32 for 16-bit blocks: 16 bits on the network, float32 arithmetic; the
-        hierarchical transport's inter-host step). ``output`` may then differ from ``input``
-        in dtype. ``divide_by``: divide the reduction by it before that rounding (an average)."""
+        (float32 for 16-bit blocks, which is the default: 16 bits on the network, float32
+        arithmetic). ``output`` may then differ from ``input`` in dtype (the hierarchical
+        transport's inter-host step). ``divide_by``: divide the reduction by it before that
+        rounding (an average; AVG itself divides by the group's size)."""
         self.reduce_scatter_async(output, input, op, accumulate, divide_by)()
 
     def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor, op: RedOp,
                              accumulate: torch.dtype | None = None, divide_by: int | None = None):
         """Start a reduce_scatter; returns the function that waits for its blocks, reduces them
         into ``output`` and raises as reduce_scatter would."""
+        if op is RedOp.AVG:
+            op, divide_by = RedOp.SUM, self.world_size
+        if accumulate is None and input.dtype in LOW_PRECISION:
+            accumulate = torch.float32
         received = torch.empty_like(input)
         work = self._pg.alltoall_base(received, input, [], [], dist.AllToAllOptions())
 

@@ -71,7 +71,9 @@ class Topology:
 class HierarchicalTransport(Transport):
     name = "hierarchical"
     accumulates_low_precision = True  # shm sums 16-bit in float32; so does the inter-host step
-    averages_bfloat16_reduce_scatter = True  # its last step sums in float32: it can divide there
+    # its last step sums in float32, so it can divide there. float16 SUM is not widened either
+    # (accumulates_low_precision); float16 AVG is, since a host's float16 sum can overflow
+    reduce_scatters_16_bit = frozenset({torch.bfloat16})
 
     def __init__(self, store, rank: int, world_size: int, topology: Topology, intra_factory, timeout, config) -> None:
         super().__init__(rank, world_size)
@@ -251,7 +253,7 @@ class HierarchicalTransport(Transport):
         rows[self.by_local_index] = gathered.view(self.world_size, width)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
-        # AVG (bfloat16 only: averages_bfloat16_reduce_scatter) is a SUM whose last, float32
+        # AVG (bfloat16 only: reduce_scatters_16_bit) is a SUM whose last, float32
         # step divides before rounding; each host's sum is rounded once on the way, as in a SUM
         divide_by = self.world_size if op is RedOp.AVG else None
         op = RedOp.SUM if op is RedOp.AVG else op
