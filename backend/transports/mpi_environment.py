@@ -6,8 +6,10 @@ CAP_SYS_PTRACE, and MPICH does not fall back: the first large message fails with
 on the reading rank. Measured in this project's image (docker/Dockerfile) under ``mpiexec -n 2``:
 the example job failed at its first broadcast of the model. So before MPI starts, this module
 asks the kernel whether this process may use the call at all and, where it may not and the user
-has not chosen, tells MPICH to copy through its shared-memory queues instead. Those are how it
-already moves every small message; only the single copy of large ones is given up.
+has not chosen, tells MPICH to copy through its shared-memory queues instead, as it already
+moves small messages. Large ones cost more that way (1.2-4x as long from 1 MiB up in the image,
+benchmarks/results/2026-11-23-docker-image.md), so a group whose ranks share one host takes the
+shm transport there instead of MPI (select.py).
 """
 
 from __future__ import annotations
