@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 import sys
@@ -31,10 +32,13 @@ class _IOVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
 
 
+@functools.lru_cache(maxsize=None)
 def cross_memory_attach_permitted() -> bool:
     """Whether ``process_vm_readv`` may run in this process: it reads 8 bytes of the process's own
     memory, which ptrace rules always allow, so the only refusal left is a seccomp filter's (EPERM,
-    or ENOSYS where the filter says so). True on systems where the call cannot be looked up."""
+    or ENOSYS where the filter says so). True on systems where the call cannot be looked up.
+    Asked once per process (import, MPI start, transport choice, error text ask again): a seccomp
+    filter, once installed, cannot be removed."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         call = libc.process_vm_readv

@@ -18,12 +18,15 @@ on; if any left, the group is failed on the refusing rank too.
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from ..errors import PeerFailureError, PeerRefusedError
+
+log = logging.getLogger("smddp_lite")
 
 POLL_S = 0.05
 """How often a waiting rank looks for a refusal of its call (each look is one store round trip)."""
@@ -85,12 +88,14 @@ class RefusalBoard:
         peers may not see: an MPI error raised on one rank only leaves the others waiting for the
         group's timeout, in that call or, where their part of it could end without this rank, in
         a later one (and, under mpiexec, leaves this rank waiting for them in MPI_Finalize). Peers
-        waiting in any call of the group hear it as they hear a refusal. Does not wait; a store
-        that cannot be reached is ignored (the peers then wait as before)."""
+        waiting in any call of the group hear it as they hear a refusal. Does not wait. Where the
+        store cannot be reached, the peers wait as before, and the log says so: this rank is
+        raising its own error anyway, which a store error must not replace."""
         try:
             self._store.set(FAILED_KEY, f"rank {self.rank} {FAILED_IN_CALL} #{call}: {reason}")
-        except (RuntimeError, OSError):
-            pass
+        except (RuntimeError, OSError) as exc:
+            log.warning("smddp: rank %d could not tell its peers that call #%d failed (%s); they will wait "
+                        "for the process group's timeout", self.rank, call, exc)
 
     # a waiting rank -------------------------------------------------------------------------------
     def heard(self, call: int) -> str | None:
