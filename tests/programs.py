@@ -122,16 +122,19 @@ def peer_stuck() -> dict:
     return _error_of(lambda: dist.all_reduce(torch.ones(1000)))
 
 
-def ddp_peer_dies(die_after_forward: int = 2) -> dict:
+def ddp_peer_dies(die_after_forward: int = 2, device: str = "cpu") -> dict:
     """Rank 1 exits abruptly between its forward and backward pass of a DDP step; the other ranks'
     backward, whose gradient all_reduce DDP's reducer takes through the work's future, must raise
-    naming it (a future completed with the error as its value made the reducer crash instead)."""
+    naming it (a future completed with the error as its value made the reducer crash instead).
+    ``device="cuda"``: every rank on cuda:0 (the staged path allows that), through CudaWork."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if device == "cuda":
+        torch.cuda.set_device(0)
     smddp_lite.init(timeout=timedelta(seconds=120))
-    model = DDP(torch.nn.Linear(256, 256))
+    model = DDP(torch.nn.Linear(256, 256).to(device))
     for step in range(die_after_forward + 1):
-        loss = model(torch.randn(8, 256)).sum()
+        loss = model(torch.randn(8, 256, device=device)).sum()
         if step == die_after_forward:
             if dist.get_rank() == 1:
                 os._exit(3)

@@ -250,3 +250,18 @@ def test_all_reduce_captured_in_a_cuda_graph_replays():
     for replay in r["replays"]:
         assert replay["got"] == replay["want"] and replay["all_equal"] and replay["gathered_all_equal"], r
     assert r["after"] == r["after_want"], r
+
+
+@on_gpu
+def test_staged_peer_dying_during_ddp_backward_raises_on_every_survivor():
+    """As on the CPU (test_errors.py): DDP's reducer takes each bucket through the CUDA work's
+    future, so a failure must be an error of that future, not its value. The staged path lets
+    three ranks share the one GPU; rank 1 exits between forward and backward."""
+    results = harness.launch("tests.programs:ddp_peer_dies", 3, env={"SMDDP_CUDA_TRANSPORT": "staged"},
+                             device="cuda")
+    assert results[1].returncode == 3, results[1].output[-3000:]
+    for result in (results[0], results[2]):
+        error = result.value
+        assert result.returncode == 0 and error is not None, (result.rank, result.returncode, result.output[-3000:])
+        assert "PeerFailureError" in error["message"] and "all_reduce" in error["message"], (result.rank, error)
+        assert error["seconds"] < 60, (result.rank, error)

@@ -14,7 +14,8 @@ current stream), so the host does not wait for it. What a caller does with the h
   asked for: a plain ``dist.all_reduce`` does not pay for it.
 
 Errors found later by the watchdog (an asynchronous NCCL error, a timeout) are raised from
-``wait()`` as ``DistBackendError``; C++ callers such as DDP's reducer see them there.
+``wait()`` as ``DistBackendError``, and are errors of the future that C++ sees: DDP's reducer,
+which takes each bucket through ``get_future()``, raises them from ``backward()``.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ class CudaWork(dist._Work):
         self.blocking = blocking
         self.error: BaseException | None = None
         self._host_done = threading.Event()  # set once the host-side part (if any) has finished
-        self._future: torch.futures.Future | None = None  # made on request: most callers only wait()
-        self._future_claimed = False  # someone has completed (or is completing) the future
+        # made on request (most callers only wait()): ``_completion`` is completed by this work, and
+        # the future handed out is its ``then`` child, which raises the failure (see _outcome)
+        self._completion: torch.futures.Future | None = None
+        self._future: torch.futures.Future | None = None
+        self._future_claimed = False  # someone has completed (or is completing) the completion
         self._lock = threading.Lock()
 
     # completion ---------------------------------------------------------------------------------
@@ -78,17 +82,28 @@ class CudaWork(dist._Work):
                 self.error = error
             future = self._claim_future()
         if future is not None:
-            future.set_exception(as_backend_error(self.error))
+            future.set_result([])  # runs _outcome, which raises self.error into the future handed out
         self._host_done.set()
 
     def _claim_future(self) -> torch.futures.Future | None:
-        """The future, if it exists and nobody has completed it yet; the caller (holding the
-        lock) completes it after releasing the lock, because completing it runs the ``then``
-        callbacks inline, and one that touched this work again would deadlock on the lock."""
-        if self._future is None or self._future_claimed:
+        """The completion future, if it exists and nobody has completed it yet; the caller
+        (holding the lock) completes it after releasing the lock, because completing it runs the
+        ``then`` callbacks inline, and one that touched this work again would deadlock on the lock."""
+        if self._completion is None or self._future_claimed:
             return None
         self._future_claimed = True
-        return self._future
+        return self._completion
+
+    def _outcome(self, completion: torch.futures.Future) -> list[torch.Tensor]:
+        """The value of the future handed out, or its error. ``Future.set_exception`` would not
+        do: it is Python's own, and completes the future with the exception as its *value*, which
+        DDP's reducer takes for the reduced bucket and crashes on (as it did on the CPU path when
+        a peer died during ``backward()``). An exception raised in a ``then`` callback is an error
+        of the future ``then`` returns, which C++ sees. On success this runs on a stream that
+        waits for the completion's events, so the outputs stay ordered after the collective."""
+        if self.error is not None:
+            raise as_backend_error(self.error)
+        return completion.value()
 
     def ended(self) -> bool:
         """True once the device has passed the collective's end (never blocks); a captured
@@ -139,13 +154,14 @@ class CudaWork(dist._Work):
         collective's end event, so ``then`` callbacks and ``wait()`` are ordered after it on
         the device (ProcessGroupNCCL completes its futures the same way)."""
         with self._lock:
-            if self._future is None:
-                self._future = torch.futures.Future(devices=[self.device])
+            if self._completion is None:
+                self._completion = torch.futures.Future(devices=[self.device])
+                self._future = self._completion.then(self._outcome)
             future = self._future
             ready = self._claim_future() if self.error is not None or self._host_done.is_set() else None
         if ready is not None:
             if self.error is not None:
-                ready.set_exception(as_backend_error(self.error))
+                ready.set_result([])  # _outcome raises the error
             else:
                 self._complete_future(ready)
         return future
