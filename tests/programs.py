@@ -385,16 +385,27 @@ def _bytes_sent(interface: str = "eth0") -> int:
 
 
 def link_bytes(op: str, dtype: str, numel: int = 1 << 20, calls: int = 4, redop: str = "sum") -> dict:
-    """``calls`` reduce_scatter_tensor (``op`` "reduce_scatter") or all_gather_into_tensor calls
-    ("all_gather") on a message of ``numel`` ``dtype`` elements (the reduce_scatter's input, the
-    all_gather's output), of small integers, exact in every dtype. Returns the bytes this rank's
-    host sent on its link per call, over the message's bytes, and whether every result was exact.
-    ``redop`` "avg": the reduce_scatter averages (its means are exact too)."""
+    """``calls`` reduce_scatter_tensor (``op`` "reduce_scatter"), all_gather_into_tensor
+    ("all_gather") or all_reduce ("all_reduce") calls on a message of ``numel`` ``dtype`` elements
+    (the reduce_scatter's input, the all_gather's output), of small integers, exact in every
+    dtype. Returns the bytes this rank's host sent on its link per call, over the message's
+    bytes, and whether every result was exact. ``redop`` "avg": the reductions average (their
+    means are exact too)."""
     smddp_lite.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     wanted, block = getattr(torch, dtype), numel // world
     pattern = torch.arange(numel, dtype=torch.int64).remainder_(7)
-    if op == "reduce_scatter":
+    if op == "all_reduce":
+        inp, out = (pattern + rank).to(wanted), torch.empty(numel, dtype=wanted)
+        want = pattern * world + sum(range(world))
+        if redop == "avg":
+            want = want / world
+        op = dist.ReduceOp.AVG if redop == "avg" else dist.ReduceOp.SUM
+
+        def run() -> None:
+            out.copy_(inp)
+            dist.all_reduce(out, op=op)
+    elif op == "reduce_scatter":
         inp, out = (pattern + rank).to(wanted), torch.empty(block, dtype=wanted)
         want = pattern[rank * block : (rank + 1) * block] * world + sum(range(world))
         if redop == "avg":
@@ -436,6 +447,31 @@ def reduce_scatter_rounding(dtype: str, numel_per_rank: int = 1024) -> list[floa
     dist.reduce_scatter_tensor(out, inp)
     dist.destroy_process_group()
     return sorted(set(out.float().tolist()))
+
+
+def all_reduce_bfloat16_avg(ranks_per_host: int, numel: int = 1 << 16) -> dict:
+    """A bfloat16 AVG all_reduce of random values (seeded by rank) on hosts of ``ranks_per_host``
+    ranks each, against two references this rank computes from every rank's input: the mean in
+    float32 rounded once ("widened", what the algorithms layer's float32 copy gives), and each
+    host's float32 sum rounded to bfloat16 once, those summed in float32 in host order, divided
+    and rounded once ("host sums rounded", a SUM's rounding plus a division before the last
+    rounding). Returns whether the result equals each, and in how many elements they differ."""
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+              for r in range(world)]
+    out = inputs[rank].clone()
+    dist.all_reduce(out, op=dist.ReduceOp.AVG)
+    widened = (torch.stack(inputs).float().sum(0) / world).to(torch.bfloat16)
+    host_sums = [torch.stack(inputs[k : k + ranks_per_host]).float().sum(0).to(torch.bfloat16)
+                 for k in range(0, world, ranks_per_host)]
+    total = host_sums[0].float()
+    for host_sum in host_sums[1:]:
+        total += host_sum
+    host_sums_rounded = (total / world).to(torch.bfloat16)
+    dist.destroy_process_group()
+    return {"widened": bool(torch.equal(out, widened)), "host_sums_rounded": bool(torch.equal(out, host_sums_rounded)),
+            "references_differ_in": int((widened != host_sums_rounded).sum())}
 
 
 def reduce_scatter_16_bit_sums(dtype: str, op: str, numel_per_rank: int = 4096) -> dict:

@@ -149,6 +149,29 @@ def test_reduce_scatter_between_three_hosts_rounds_once_per_host_on_a_16_bit_wir
     assert results == [[want]] * 3
 
 
+@pytest.mark.parametrize("world, hosts_of, algorithm, numel, want", [
+    # 2 hosts x 2: each host's sum rounds once on its way between hosts, as in a SUM; the
+    # division comes before the last rounding
+    (4, 2, "hierarchical", 1 << 16, "host_sums_rounded"),
+    # one rank per host: no host sum to round, so the float32 mean rounded once
+    (3, 1, "hierarchical", 1 << 16, "widened"),
+    # under hierarchical_min_bytes: the flat ring in float32, divided, rounded once
+    (4, 2, "auto", 1 << 10, "widened"),
+])
+def test_bfloat16_avg_all_reduce_between_hosts_divides_before_its_last_rounding(world, hosts_of, algorithm,
+                                                                                numel, want):
+    from . import harness
+
+    results = harness.values(harness.launch("tests.programs:all_reduce_bfloat16_avg", world,
+                                            env={"SMDDP_ALGORITHM": algorithm}, hosts_of=hosts_of,
+                                            ranks_per_host=hosts_of,
+                                            numel=numel))
+    for report in results:
+        assert report[want], report
+        if want == "host_sums_rounded":  # the two references must differ, or this shows nothing
+            assert report["references_differ_in"] > 0 and not report["widened"], report
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
 @pytest.mark.parametrize("op, dtype, wire, share", [
     ("reduce_scatter", "bfloat16", None, 0.5),  # 16-bit blocks cross as they are (widened: 1.0)
@@ -161,6 +184,10 @@ def test_reduce_scatter_between_three_hosts_rounds_once_per_host_on_a_16_bit_wir
     # each rank sends the other host's ranks their blocks unreduced, 16-bit as they are (widened: 2.0)
     ("reduce_scatter-sum-gloo", "bfloat16", None, 1.0),
     ("reduce_scatter-avg-gloo", "bfloat16", None, 1.0),
+    # all_reduce: each host sends the other its half of the message, reduced inside the host, and
+    # gets back the other half's sums: one message's bytes (a widened bfloat16 AVG sent 2.0)
+    ("all_reduce", "bfloat16", None, 1.0),
+    ("all_reduce-avg", "bfloat16", None, 1.0),
 ])
 def test_hierarchical_collectives_send_each_byte_between_hosts_once(op, dtype, wire, share):
     # 2 hosts x 2 ranks. reduce_scatter: a host sends the half of the blocks the other host's

@@ -1,8 +1,9 @@
 """The interface every transport implements.
 
 Tensors arrive flat (1-D), contiguous and on the CPU; the algorithms layer has already turned AVG
-into SUM, bool into uint8 and, when ``accumulates_low_precision`` is False, 16-bit floats into
-float32. Every method blocks until this rank's part is done and raises ``SMDDPError`` (with the
+into SUM (except the 16-bit AVGs a transport takes itself: ``reduce_scatters_16_bit``,
+``all_reduces_16_bit_avg``), bool into uint8 and, when ``accumulates_low_precision`` is False,
+16-bit floats into float32. Every method blocks until this rank's part is done and raises ``SMDDPError`` (with the
 transport's own error text) on failure.
 """
 
@@ -26,6 +27,11 @@ class Transport(abc.ABC):
     sums them in float32 and divides an AVG before the single rounding into the output, so the
     algorithms layer need not widen them to float32, which doubles the bytes moved (FSDP2 sends
     bfloat16 AVG with reduce_dtype=bfloat16, ZeRO 16-bit SUM)."""
+    all_reduces_16_bit_avg: frozenset = frozenset()
+    """16-bit float dtypes whose AVG all_reduce this transport takes as it is: it sums in float32
+    and divides before the last rounding, so the algorithms layer need not widen the tensor to
+    float32 (twice the bytes, on every link) to divide it there (FSDP2's HSDP replicas average
+    bfloat16 gradients with an AVG all_reduce)."""
     checks_signatures: bool = False
     """True when every collective already verifies op, dtype and size across ranks."""
     runs_inline: bool = False

@@ -28,6 +28,10 @@ compiled step's wire dtype) takes that path in its own dtype, so gradients stay 
 network and are still accumulated in float32. The sums come back from the network already
 rounded to the wire dtype, so the all-gather inside the host moves them in that dtype too (half
 the bytes through shared memory, the same bits) and widens them once, into the caller's tensor.
+A bfloat16 AVG (FSDP2's HSDP replicas) takes the all-to-all even between two hosts: the rank
+that sums a slice in float32 divides it there, before its one rounding, which gloo's ring cannot
+do; widened to float32 instead, it sent twice the bytes (2 x 2 hosts at 1 Gbit/s: 2.0x faster
+from 1 MiB, benchmarks/results/2026-11-24-hierarchical-bf16-avg-all-reduce.md).
 A reduce_scatter's step between hosts (ZeRO's and FSDP's gradients) is an all-to-all of the
 host-reduced blocks with the sum taken where they arrive, so 16-bit blocks cross as they are and
 are summed in float32, and with a wire dtype set a float32 SUM crosses in it, as above.
@@ -74,6 +78,9 @@ class HierarchicalTransport(Transport):
     # its last step sums in float32, so it can divide there. float16 SUM is not widened either
     # (accumulates_low_precision); float16 AVG is, since a host's float16 sum can overflow
     reduce_scatters_16_bit = frozenset({torch.bfloat16})
+    # and its bfloat16 AVG all_reduce sums the host sums in float32 between hosts, divides there
+    # and rounds once (_start_compressed_sum), so bfloat16 crosses the network as it is
+    all_reduces_16_bit_avg = frozenset({torch.bfloat16})
 
     def __init__(self, store, rank: int, world_size: int, topology: Topology, intra_factory, timeout, config) -> None:
         super().__init__(rank, world_size)
@@ -122,13 +129,17 @@ class HierarchicalTransport(Transport):
     def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
         if not self._hierarchical("all_reduce", tensor.numel() * tensor.element_size()):
             return self._flat_all_reduce(tensor, op)
+        # AVG (bfloat16 only: all_reduces_16_bit_avg) is a SUM whose step between hosts divides
+        # in float32 before its rounding; each host's sum is rounded once on the way, as in a SUM
+        divide_by = self.world_size if op is RedOp.AVG else None
+        op = RedOp.SUM if op is RedOp.AVG else op
         n, L = tensor.numel(), self.per_node
         piece = max(L, self.chunk_bytes // tensor.element_size() // L * L)  # whole shards per piece
         started = []
         for start in range(0, n, piece):
             part = tensor[start : start + piece]
             padded, shard = self._reduce_in_host(part, op)
-            started.append((self._start_inter_all_reduce(shard, op),
+            started.append((self._start_inter_all_reduce(shard, op, divide_by),
                             lambda total, part=part, padded=padded: self._gather_in_host(part, padded, total)))
         _end_in_start_order(started)
 
@@ -150,12 +161,18 @@ class HierarchicalTransport(Transport):
         if padded is not tensor:
             tensor.copy_(padded[: tensor.numel()])
 
-    def _start_inter_all_reduce(self, shard: torch.Tensor, op: RedOp) -> Callable[[], torch.Tensor]:
+    def _start_inter_all_reduce(self, shard: torch.Tensor, op: RedOp,
+                                divide_by: int | None = None) -> Callable[[], torch.Tensor]:
         """Start reducing ``shard`` with the same-index ranks of the other hosts; returns the
         function that waits and returns the result: ``shard`` itself, or the sums as they came
-        off a 16-bit wire (every local rank's in the same dtype, since all see the same config)."""
+        off a 16-bit wire (every local rank's in the same dtype, since all see the same config).
+        ``divide_by`` (a bfloat16 AVG's SUM): the float32 sums are divided before rounding."""
         floating = shard.dtype.is_floating_point
         wire = self.wire if shard.dtype not in LOW_PRECISION else shard.dtype
+        if divide_by is not None:
+            # gloo's ring would round the sum before the division could happen; the exchange of
+            # _start_compressed_sum sums in float32 on one rank per slice, which can divide first
+            return self._start_compressed_sum(shard, shard.dtype, divide_by)
         if op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
             if self.nodes > 2 and self.exact_16bit_sums:
                 return self._start_compressed_sum(shard, wire)
@@ -181,10 +198,12 @@ class HierarchicalTransport(Transport):
 
         return finish
 
-    def _start_compressed_sum(self, shard: torch.Tensor, wire: torch.dtype) -> Callable[[], torch.Tensor]:
-        """Sum ``shard`` across more than two hosts with ``wire`` on the network and float32
-        arithmetic: an all-to-all of wire-dtype slices (started now), then each host sums one
-        slice and the sums are all-gathered (when finished)."""
+    def _start_compressed_sum(self, shard: torch.Tensor, wire: torch.dtype,
+                              divide_by: int | None = None) -> Callable[[], torch.Tensor]:
+        """Sum ``shard`` across hosts with ``wire`` on the network and float32 arithmetic: an
+        all-to-all of wire-dtype slices (started now), then each host sums one slice (and
+        divides it by ``divide_by``, for an average) and the results are all-gathered (when
+        finished)."""
         N, s = self.nodes, shard.numel()
         sub = math.ceil(s / N)
         if N * sub == s:
@@ -200,6 +219,8 @@ class HierarchicalTransport(Transport):
             total = slices[:sub].float()  # each slice is summed by one host only, in host order
             for q in range(1, N):
                 total.add_(slices[q * sub : (q + 1) * sub])  # float32 += wire dtype, per element
+            if divide_by is not None:
+                total.div_(divide_by)
             gathered = slices  # consumed above: reuse it for the sums
             self.inter.all_gather(gathered, total.to(wire))
             return gathered[:s]
@@ -209,7 +230,9 @@ class HierarchicalTransport(Transport):
     def _flat_all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
         if tensor.dtype in LOW_PRECISION:  # widened, as in _start_inter_all_reduce
             wide = tensor.float()
-            self.flat.all_reduce(wide, op)
+            self.flat.all_reduce(wide, RedOp.SUM if op is RedOp.AVG else op)
+            if op is RedOp.AVG:
+                wide.div_(self.world_size)
             tensor.copy_(wide)
         else:
             self.flat.all_reduce(tensor, op)
