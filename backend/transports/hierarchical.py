@@ -31,7 +31,7 @@ the bytes through shared memory, the same bits) and widens them once, into the c
 A bfloat16 AVG (FSDP2's HSDP replicas) takes the all-to-all even between two hosts: the rank
 that sums a slice in float32 divides it there, before its one rounding, which gloo's ring cannot
 do; widened to float32 instead, it sent twice the bytes (2 x 2 hosts at 1 Gbit/s: 2.0x faster
-from 1 MiB, benchmarks/results/2026-11-24-hierarchical-bf16-avg-all-reduce.md).
+from 1 MiB, benchmarks/results/2026-11-23-hierarchical-bf16-avg-all-reduce.md).
 A reduce_scatter's step between hosts (ZeRO's and FSDP's gradients) is an all-to-all of the
 host-reduced blocks with the sum taken where they arrive, so 16-bit blocks cross as they are and
 are summed in float32, and with a wire dtype set a float32 SUM crosses in it, as above.
