@@ -449,26 +449,26 @@ def reduce_scatter_rounding(dtype: str, numel_per_rank: int = 1024) -> list[floa
     return sorted(set(out.float().tolist()))
 
 
-def all_reduce_bfloat16_avg(ranks_per_host: int, numel: int = 1 << 16) -> dict:
-    """A bfloat16 AVG all_reduce of random values (seeded by rank) on hosts of ``ranks_per_host``
+def all_reduce_16_bit_avg(ranks_per_host: int, dtype: str = "bfloat16", numel: int = 1 << 16) -> dict:
+    """A 16-bit AVG all_reduce of random values (seeded by rank) on hosts of ``ranks_per_host``
     ranks each, against two references this rank computes from every rank's input: the mean in
     float32 rounded once ("widened", what the algorithms layer's float32 copy gives), and each
-    host's float32 sum rounded to bfloat16 once, those summed in float32 in host order, divided
+    host's float32 sum rounded to ``dtype`` once, those summed in float32 in host order, divided
     and rounded once ("host sums rounded", a SUM's rounding plus a division before the last
     rounding). Returns whether the result equals each, and in how many elements they differ."""
     smddp_lite.init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
-              for r in range(world)]
+    kind = getattr(torch, dtype)
+    inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)).to(kind) for r in range(world)]
     out = inputs[rank].clone()
     dist.all_reduce(out, op=dist.ReduceOp.AVG)
-    widened = (torch.stack(inputs).float().sum(0) / world).to(torch.bfloat16)
-    host_sums = [torch.stack(inputs[k : k + ranks_per_host]).float().sum(0).to(torch.bfloat16)
+    widened = (torch.stack(inputs).float().sum(0) / world).to(kind)
+    host_sums = [torch.stack(inputs[k : k + ranks_per_host]).float().sum(0).to(kind)
                  for k in range(0, world, ranks_per_host)]
     total = host_sums[0].float()
     for host_sum in host_sums[1:]:
         total += host_sum
-    host_sums_rounded = (total / world).to(torch.bfloat16)
+    host_sums_rounded = (total / world).to(kind)
     dist.destroy_process_group()
     return {"widened": bool(torch.equal(out, widened)), "host_sums_rounded": bool(torch.equal(out, host_sums_rounded)),
             "references_differ_in": int((widened != host_sums_rounded).sum())}

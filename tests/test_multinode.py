@@ -162,7 +162,7 @@ def test_bfloat16_avg_all_reduce_between_hosts_divides_before_its_last_rounding(
                                                                                 numel, want):
     from . import harness
 
-    results = harness.values(harness.launch("tests.programs:all_reduce_bfloat16_avg", world,
+    results = harness.values(harness.launch("tests.programs:all_reduce_16_bit_avg", world,
                                             env={"SMDDP_ALGORITHM": algorithm}, hosts_of=hosts_of,
                                             ranks_per_host=hosts_of,
                                             numel=numel))

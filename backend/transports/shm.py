@@ -8,7 +8,9 @@ for broadcast/gather ops, two for all_reduce).
 all_reduce of n elements on w ranks: each rank stages the (w-1)/w of its tensor that peers reduce,
 reduces its own 1/w share (reading peers' slots and its own tensor in place), publishes the result,
 then copies the other shares back. Every share is reduced by exactly one rank in rank order, so
-all ranks get bit-identical results. Float16/bfloat16 are accumulated in float32.
+all ranks get bit-identical results. Float16/bfloat16 are accumulated in float32, and their AVG
+(all_reduce, reduce_scatter) is divided there before the one rounding, so they are never widened
+on their way through shared memory (the bits of widening them, in half the bytes).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def _describe(header: tuple[int, ...]) -> str:
 class ShmTransport(Transport):
     name = "shm"
     accumulates_low_precision = True
+    reduce_scatters_16_bit = frozenset(LOW_PRECISION)
+    all_reduces_16_bit_avg = frozenset(LOW_PRECISION)
     runs_inline = True
     checks_signatures = True
 
@@ -78,13 +82,17 @@ class ShmTransport(Transport):
 
         A ``dest`` may be the very memory of one source (in-place calls). The accumulator is
         therefore a ``dest`` that no later source (index >= 2) aliases, else scratch memory.
+        AVG comes only for 16-bit floats (all_reduces_16_bit_avg, reduce_scatters_16_bit).
         """
-        fn, numel, dtype = COMBINE[op], sources[0].numel(), sources[0].dtype
-        if dtype in LOW_PRECISION and op in (RedOp.SUM, RedOp.PRODUCT):
+        numel, dtype = sources[0].numel(), sources[0].dtype
+        fn = COMBINE[RedOp.SUM if op is RedOp.AVG else op]
+        if dtype in LOW_PRECISION and op in (RedOp.SUM, RedOp.PRODUCT, RedOp.AVG):
             acc = self._acc[:numel]
             acc.copy_(sources[0])
             for src in sources[1:]:
                 fn(acc, src, out=acc)  # float32 += 16-bit promotes per element: float32 accumulation
+            if op is RedOp.AVG:
+                acc.div_(self.world_size)  # before the rounding into dest, as a widened AVG would
         else:
             later = {s.data_ptr() for s in sources[2:]}
             acc = next((d for d in dest if d.data_ptr() not in later), None)
