@@ -3,8 +3,8 @@
 Tensors arrive flat (1-D), contiguous and on the CPU; the algorithms layer has already turned AVG
 into SUM (except the 16-bit AVGs a transport takes itself: ``reduce_scatters_16_bit``,
 ``all_reduces_16_bit_avg``), bool into uint8 and, when ``accumulates_low_precision`` is False,
-16-bit floats into float32. Every method blocks until this rank's part is done and raises ``SMDDPError`` (with the
-transport's own error text) on failure.
+16-bit floats into float32. Every method blocks until this rank's part is done and raises
+``SMDDPError`` (with the transport's own error text) on failure.
 """
 
 from __future__ import annotations
