@@ -285,6 +285,48 @@ def fsdp_parity(steps: int = 6, param_dtype: str | None = None) -> dict:
     return result
 
 
+def hsdp_parity(steps: int = 6, param_dtype: str | None = None) -> dict:
+    """FSDP2 as HSDP (a 2-D mesh: shard across the ranks of a host, replicate across hosts) on
+    "smddp" and on "gloo", side by side in one job, on 2 hosts x 2 ranks. Gradients are
+    reduce-scattered inside each host and then all-reduced across hosts, both with AVG (FSDP2's
+    choice for float32 and bfloat16), on subgroups of the default group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = torch.arange(world).view(2, world // 2)  # rows: hosts (replicas); columns: shards
+    dtype = getattr(torch, param_dtype) if param_dtype else None
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+
+    def mesh_of(backend: str) -> DeviceMesh:
+        # every rank makes every group, in the same order, as new_group requires
+        replicate = [dist.new_group(col.tolist(), backend=backend) for col in layout.t()]
+        shard = [dist.new_group(row.tolist(), backend=backend) for row in layout]
+        mine = replicate[rank % layout.shape[1]], shard[rank // layout.shape[1]]
+        return DeviceMesh.from_group(list(mine), "cpu", mesh=layout.tolist(), mesh_dim_names=("replicate", "shard"))
+
+    def sharded(mesh: DeviceMesh) -> torch.nn.Module:
+        model = _parity_model()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    variants = {"smddp": sharded(mesh_of("smddp")), "gloo": sharded(mesh_of("gloo"))}
+    optims = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in variants.items()}
+    for x, y in _parity_batches(rank, steps):
+        for name, model in variants.items():
+            optims[name].zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optims[name].step()
+    full = {k: [p.full_tensor() for p in m.parameters()] for k, m in variants.items()}
+    result = {"max_diff": max(float((p - q).abs().max()) for p, q in zip(full["smddp"], full["gloo"])),
+              "max_abs": max(float(p.abs().max()) for p in full["gloo"])}
+    dist.destroy_process_group()
+    return result
+
+
 def init_explicit(method: str, port: int = 0, path: str = "") -> dict:
     """init with an explicit init_method and rank/world size (no torchrun variables)."""
     rank, world = int(os.environ["TEST_RANK"]), int(os.environ["TEST_WORLD_SIZE"])

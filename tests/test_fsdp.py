@@ -35,6 +35,17 @@ def test_fully_shard_trains_as_on_gloo(layout, param_dtype, tolerance):
         assert result["max_diff"] <= tolerance, (rank, result)
 
 
+@pytest.mark.parametrize("param_dtype, tolerance", [(None, 1e-6), ("bfloat16", 2.0**-10)])
+def test_hybrid_sharding_across_hosts_trains_as_on_gloo(param_dtype, tolerance):
+    """HSDP on 2 simulated hosts x 2 ranks: each host's ranks shard (a subgroup on shared memory,
+    reduce_scatter AVG), the hosts replicate (two subgroups of one rank per host, all_reduce AVG,
+    hierarchical: bfloat16 crosses as it is, divided before its last rounding)."""
+    results = harness.values(harness.launch("tests.programs:hsdp_parity", 4, env={"SMDDP_ALGORITHM": "hierarchical"},
+                                            hosts_of=2, param_dtype=param_dtype))
+    for rank, result in enumerate(results):
+        assert result["max_diff"] <= tolerance, (rank, result)
+
+
 def test_functional_collectives_find_the_group_by_its_name():
     # DTensor (FSDP2's parameters), tensor parallelism and compiled code call these; before the
     # group kept its name, each raised "ProcessGroup name not set"
