@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveMismatchError, PeerRefusedError, where
-from .ops import DTYPES, LOW_PRECISION, RedOp
+from .ops import DTYPES, LOW_PRECISION, RedOp, as_sum
 from .transports.base import Transport
 
 _BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
@@ -96,13 +96,15 @@ class Collectives:
             return flat.view(torch.uint8), _BOOL_OP[op], lambda: None
         wire = flat.float() if self._needs_float32(flat.dtype, op) else flat
 
+        wire_op, divide_by = as_sum(op, self.world_size)
+
         def finish() -> None:
-            if op is RedOp.AVG:
-                wire.div_(self.world_size)
+            if divide_by is not None:
+                wire.div_(divide_by)
             if wire is not flat:
                 flat.copy_(wire)
 
-        return wire, RedOp.SUM if op is RedOp.AVG else op, finish
+        return wire, wire_op, finish
 
     # collectives -------------------------------------------------------------------------------
     def all_reduce(self, tensors: list[torch.Tensor], op: RedOp) -> None:

@@ -50,6 +50,12 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BITWISE_OPS = (RedOp.BAND, RedOp.BOR, RedOp.BXOR)
 
+def as_sum(op: RedOp, world_size: int) -> tuple[RedOp, int | None]:
+    """(the op to reduce with, what to divide the result by before its rounding): an AVG is a
+    SUM divided by the group's size; any other op is itself, with nothing to divide."""
+    return (RedOp.SUM, world_size) if op is RedOp.AVG else (op, None)
+
+
 # each op as an elementwise function of two tensors (``fn(a, b, out=a)`` reduces into ``a``)
 COMBINE = {
     RedOp.SUM: torch.add,

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerFailureError
-from ..ops import COMBINE, LOW_PRECISION, RedOp
+from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum
 from .base import Transport
 from .refusals import POLL
 
@@ -121,7 +121,7 @@ class GlooTransport(Transport):
         """Start a reduce_scatter; returns the function that waits for its blocks, reduces them
         into ``output`` and raises as reduce_scatter would."""
         if op is RedOp.AVG:
-            op, divide_by = RedOp.SUM, self.world_size
+            op, divide_by = as_sum(op, self.world_size)
         if accumulate is None and input.dtype in LOW_PRECISION:
             accumulate = torch.float32
         received = torch.empty_like(input)

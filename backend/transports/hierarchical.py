@@ -46,7 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..ops import LOW_PRECISION, RedOp
+from ..ops import LOW_PRECISION, RedOp, as_sum
 from .base import Transport
 from .gloo import GlooTransport
 from .refusals import RefusalBoard
@@ -131,8 +131,7 @@ class HierarchicalTransport(Transport):
             return self._flat_all_reduce(tensor, op)
         # AVG (bfloat16 only: all_reduces_16_bit_avg) is a SUM whose step between hosts divides
         # in float32 before its rounding; each host's sum is rounded once on the way, as in a SUM
-        divide_by = self.world_size if op is RedOp.AVG else None
-        op = RedOp.SUM if op is RedOp.AVG else op
+        op, divide_by = as_sum(op, self.world_size)
         n, L = tensor.numel(), self.per_node
         piece = max(L, self.chunk_bytes // tensor.element_size() // L * L)  # whole shards per piece
         started = []
@@ -230,9 +229,10 @@ class HierarchicalTransport(Transport):
     def _flat_all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
         if tensor.dtype in LOW_PRECISION:  # widened, as in _start_inter_all_reduce
             wide = tensor.float()
-            self.flat.all_reduce(wide, RedOp.SUM if op is RedOp.AVG else op)
-            if op is RedOp.AVG:
-                wide.div_(self.world_size)
+            summed_op, divide_by = as_sum(op, self.world_size)
+            self.flat.all_reduce(wide, summed_op)
+            if divide_by is not None:
+                wide.div_(divide_by)
             tensor.copy_(wide)
         else:
             self.flat.all_reduce(tensor, op)
@@ -278,8 +278,7 @@ class HierarchicalTransport(Transport):
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         # AVG (bfloat16 only: reduce_scatters_16_bit) is a SUM whose last, float32
         # step divides before rounding; each host's sum is rounded once on the way, as in a SUM
-        divide_by = self.world_size if op is RedOp.AVG else None
-        op = RedOp.SUM if op is RedOp.AVG else op
+        op, divide_by = as_sum(op, self.world_size)
         if not self._hierarchical("reduce_scatter", input.numel() * input.element_size()):
             return self.flat.reduce_scatter(output, input, op, accumulate=_float32_for_16_bit(input),
                                             divide_by=divide_by)

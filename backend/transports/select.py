@@ -54,15 +54,16 @@ def _choose(store, rank: int, world_size: int, config) -> tuple[str, str, list[s
         if config.algorithm == "hierarchical":
             log.info("smddp: SMDDP_ALGORITHM=hierarchical has no effect on %s; using a flat transport",
                      topo.describe())
+    under_mpi = launched_by_mpi() and _has_mpi4py()
     if forced != "auto":
         name, reason = forced, "forced by SMDDP_TRANSPORT"
-    elif launched_by_mpi() and _has_mpi4py() and _mpi_preferred(same_host):
+    elif under_mpi and _mpi_preferred(same_host):
         # measured on one 2-core host: MPICH's shared-memory path has half our shm transport's
         # small-message latency (35 vs 60 us) and the same bandwidth (benchmarks/results/)
         name, reason = "mpi", f"launched by mpiexec, ranks on {len(set(hosts))} host(s)"
     elif same_host and _shm_possible():
         name, reason = "shm", f"all {world_size} ranks on host {hosts[0]}"
-        if launched_by_mpi() and _has_mpi4py():
+        if under_mpi:
             reason += "; launched by mpiexec, but process_vm_readv is forbidden here, and MPICH is slower without it"
     else:
         name, reason = "gloo", f"ranks on {len(set(hosts))} hosts"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import COMBINE, DTYPE_BY_CODE, LOW_PRECISION, RedOp, dtype_name
+from ..ops import COMBINE, DTYPE_BY_CODE, LOW_PRECISION, RedOp, as_sum, dtype_name
 from .base import Transport, dtype_code
 from .shm_segment import ShmSegment
 
@@ -85,14 +85,15 @@ class ShmTransport(Transport):
         AVG comes only for 16-bit floats (all_reduces_16_bit_avg, reduce_scatters_16_bit).
         """
         numel, dtype = sources[0].numel(), sources[0].dtype
-        fn = COMBINE[RedOp.SUM if op is RedOp.AVG else op]
-        if dtype in LOW_PRECISION and op in (RedOp.SUM, RedOp.PRODUCT, RedOp.AVG):
+        op, divide_by = as_sum(op, self.world_size)
+        fn = COMBINE[op]
+        if dtype in LOW_PRECISION and op in (RedOp.SUM, RedOp.PRODUCT):
             acc = self._acc[:numel]
             acc.copy_(sources[0])
             for src in sources[1:]:
                 fn(acc, src, out=acc)  # float32 += 16-bit promotes per element: float32 accumulation
-            if op is RedOp.AVG:
-                acc.div_(self.world_size)  # before the rounding into dest, as a widened AVG would
+            if divide_by is not None:
+                acc.div_(divide_by)  # before the rounding into dest, as a widened AVG would
         else:
             later = {s.data_ptr() for s in sources[2:]}
             acc = next((d for d in dest if d.data_ptr() not in later), None)
