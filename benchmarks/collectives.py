@@ -351,17 +351,22 @@ def footer_lines(per_size, labels):
 
 
 def ratio_lines(per_size, labels):
-    """First backend against each other one, out-of-place column; > 1: first is faster."""
+    """First backend against each other one, out-of-place column: ratios (> 1: first is faster)
+    and the first one's extra time per call in microseconds (its per-call overhead where the
+    other is the reference). busbw is 0 for one rank (nothing crosses a link), so its ratio is
+    then n/a and the time columns say it all."""
     lines = []
     for b in range(1, len(labels)):
         first, other = labels[0], labels[b]
         bus, tim = f"busbw({first})/busbw({other})", f"time({other})/time({first})"
+        extra = f"time({first})-time({other}) (us)"
         lines += ["#", f"# out-of-place ratios, > 1 means {first} is faster than {other}",
-                  f"#{'size':>11}  {bus}  {tim}"]
+                  f"#{'size':>11}  {bus}  {tim}  {extra}"]
         for size, rows in per_size:
             a, o = rows[0]["out_of_place"], rows[b]["out_of_place"]
-            lines.append(f"{size:12d}  {a['busbw'] / o['busbw']:>{len(bus)}.3f}  "
-                         f"{o['time_us'] / a['time_us']:>{len(tim)}.3f}")
+            busbw = f"{a['busbw'] / o['busbw']:.3f}" if a["busbw"] and o["busbw"] else "n/a"
+            lines.append(f"{size:12d}  {busbw:>{len(bus)}}  {o['time_us'] / a['time_us']:>{len(tim)}.3f}  "
+                         f"{a['time_us'] - o['time_us']:>{len(extra)}.2f}")
     return lines
 
 

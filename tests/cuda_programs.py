@@ -27,6 +27,9 @@ def stream_ordering() -> dict:
     n = 1 << 20
     x = torch.zeros(n, device=device)
     out = torch.empty(world * n, device=device)
+    # the first collective on a device makes its NCCL communicator, which blocks the host (as
+    # with torch's nccl): made here, so that the timed call below shows a steady-state launch
+    dist.all_gather_into_tensor(out, x)
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the current stream before the write
     x.fill_(rank + 1)
     start = time.monotonic()

@@ -100,6 +100,11 @@ class NcclPath:
             return self._dtype[dtype], None, False
         if red in BITWISE_OPS:
             raise NeedsStaging(f"{op}: {red.name}: NCCL has no bitwise reductions")
+        if red is RedOp.AVG and self.world_size == 1:
+            # the average of one rank is its value, and SUM gives it exactly. NCCL's one-rank AVG
+            # kernel leaves the last (n mod its block count) elements unwritten before NCCL 2.29.7
+            # (NVIDIA/nccl#1950): the conformance suite caught it on an H100 with NCCL 2.28.9
+            red = RedOp.SUM
         if red is RedOp.AVG and not (self.avg_native and RedOp.AVG in self._op):
             return self._dtype[dtype], self._op[RedOp.SUM], dtype in FLOATS
         return self._dtype[dtype], self._op[red], False
