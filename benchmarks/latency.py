@@ -1,14 +1,21 @@
 """Per-call latency distribution of a small all_reduce, for several backends side by side.
 
 nccl-tests style means hide the tail; this prints p50/p90/p99/max of single calls, alternating
-backends in rounds so that machine noise hits them alike.
+backends in rounds so that machine noise hits them alike. On CUDA a call returns once it is
+enqueued, so the times are the host's cost of a call (the device is synchronised after each
+round); ``--profile`` adds where that time goes in the first backend (cProfile, by own time).
 
     torchrun --standalone --nproc-per-node 2 benchmarks/latency.py --backends smddp,gloo
+    torchrun --standalone --nproc-per-node 1 benchmarks/latency.py --device cuda --backends smddp,nccl \
+        --profile smddp-calls.txt
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import os
+import pstats
 import time
 
 import torch
@@ -17,29 +24,61 @@ import torch.distributed as dist
 import smddp_lite
 
 
+def profile_table(profile: cProfile.Profile, calls: int, what: str, rows: int = 45) -> str:
+    """The functions that took the most time of their own, in microseconds per collective call
+    (cProfile's own table rounds to milliseconds per function call, which hides all of this)."""
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (primitive calls, calls, own s, total s, callers)
+    lines = [f"# {calls} {what}, under cProfile (which slows every Python call alike)",
+             f"# {'own us':>8} {'total us':>9} {'calls':>6}  function (per collective call)"]
+    for (file, line, name), (_, n, own, total, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:rows]:
+        place = f"{os.path.relpath(file) if file.startswith('/') else file}:{line}({name})"
+        lines.append(f"  {own / calls * 1e6:8.2f} {total / calls * 1e6:9.2f} {n / calls:6.1f}  {place}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="smddp,gloo")
     parser.add_argument("--bytes", type=int, default=256, help="message size (float32)")
     parser.add_argument("--calls", type=int, default=3000, help="timed calls per backend")
     parser.add_argument("--rounds", type=int, default=6, help="alternations between backends")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--profile", metavar="PATH", help="write a cProfile of the first backend's calls here")
     args = parser.parse_args()
 
     backends = args.backends.split(",")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)  # before init, so NCCL-like backends bind this GPU
+    settle = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     smddp_lite.init(backend=backends[0])
     groups = {b: dist.group.WORLD if i == 0 else dist.new_group(backend=b) for i, b in enumerate(backends)}
-    tensor = torch.ones(max(1, args.bytes // 4))
+    tensor = torch.ones(max(1, args.bytes // 4), device=device)
     samples: dict[str, list[float]] = {b: [] for b in backends}
     for _ in range(args.rounds):
         for backend, group in groups.items():
             for _ in range(50):  # warm-up after switching
                 dist.all_reduce(tensor, group=group)
+            settle()
             for _ in range(args.calls // args.rounds):
                 start = time.perf_counter()
                 dist.all_reduce(tensor, group=group)
                 samples[backend].append(time.perf_counter() - start)
+            settle()
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.calls // args.rounds):
+            dist.all_reduce(tensor)  # the first backend's group
+        settle()
+        profile.disable()
+        if dist.get_rank() == 0:
+            with open(args.profile, "w") as f:
+                f.write(profile_table(profile, args.calls // args.rounds, f"all_reduce calls of {backends[0]} "
+                                      f"on {device}, rank 0"))
     if dist.get_rank() == 0:
-        print(f"# all_reduce of {tensor.numel() * 4} B float32 on {dist.get_world_size()} ranks, "
+        print(f"# all_reduce of {tensor.numel() * 4} B float32 on {dist.get_world_size()} ranks ({device.type}), "
               f"{args.calls} calls per backend in {args.rounds} alternating rounds (rank 0's view)")
         print(f"# {'backend':<8} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8} {'max us':>8} {'mean us':>8}")
         for backend, values in samples.items():
