@@ -101,6 +101,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self.collectives = Collectives(self.transport, self.config.checks_collectives)
         self._comm = CommThread(f"smddp-comm-{group_name or 'default'}", inline=self.transport.runs_inline)
         self._calls = 0
+        self._where: dict[str, str] = {}  # op -> the prefix of its errors (errors.where)
         self._failure: str | None = None
         self._closed = False
         self._store = store
@@ -176,17 +177,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
         return self._comm.submit(run, self._work(op, outputs))
 
-    @contextlib.contextmanager
-    def _preparing(self, op: str):
+    def _preparing(self, op: str) -> "_Preparing":
         """Around what a call does with its arguments before ``_run`` numbers it (reading the
         reduce op, listing the tensors, finding their device): bad arguments there are refused
         as ``_run``'s checks refuse them, under a call number of their own, so that peers waiting
         in the call hear of it and this rank's later calls keep the numbers its peers give them."""
-        try:
-            yield
-        except (TypeError, ValueError) as exc:
-            self._calls += 1
-            self._refuse(op, self._calls, exc)
+        return _Preparing(self, op)
 
     def _refuse(self, op: str, call: int, exc: Exception) -> NoReturn:
         """Raise ``exc`` on this rank as a ValueError naming rank and op, after queueing the
@@ -205,7 +201,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             self._failure = f"{where(self.rank(), self.size(), op)} {cannot_go_on}"
 
     def _work(self, op: str, outputs: list[torch.Tensor]) -> SMDDPWork:
-        return SMDDPWork(where(self.rank(), self.size(), op), outputs, self.timeout)
+        describe = self._where.get(op)
+        if describe is None:  # made once per op: rank, size and host do not change
+            describe = self._where[op] = where(self.rank(), self.size(), op)
+        return SMDDPWork(describe, outputs, self.timeout)
 
     def _check_usable(self, op: str) -> None:
         if self._closed:
@@ -447,6 +446,25 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             self._cuda.close(abort)
         self._comm.stop()
         self.transport.close()
+
+
+class _Preparing:
+    """``ProcessGroupSMDDP._preparing``'s context. A class, not ``contextlib.contextmanager``: it
+    runs twice in every call, and a generator-based context costs several times as much."""
+
+    __slots__ = ("group", "op")
+
+    def __init__(self, group: ProcessGroupSMDDP, op: str) -> None:
+        self.group, self.op = group, op
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if kind is not None and issubclass(kind, (TypeError, ValueError)):
+            self.group._calls += 1
+            self.group._refuse(self.op, self.group._calls, exc)
+        return False
 
 
 def _as_list(tensors) -> list[torch.Tensor]:

@@ -37,10 +37,18 @@ class SMDDPWork(dist._Work):
         self._describe = describe
         self._outputs = outputs
         self._timeout_s = timeout.total_seconds()
-        self._done = threading.Event()
         self._error: BaseException | None = None
-        self._completed: torch.futures.Future = torch.futures.Future()
-        self._future = self._completed.then(self._outcome)
+        self._finished = False
+        # Held until the collective ends; wait() blocks on it. A plain lock, not an Event (a
+        # Condition and its lock): one is made per call, and small calls felt the difference.
+        self._running = threading.Lock()
+        self._running.acquire()
+        # The future is made when asked for (DDP asks for every bucket; a plain dist.all_reduce
+        # never does): ``_completed`` is completed by ``_finish``, and the future handed out is
+        # its ``then`` child. ``_lock`` decides which of the two threads completes it.
+        self._completed: torch.futures.Future | None = None
+        self._future: torch.futures.Future | None = None
+        self._lock = threading.Lock()
 
     def _outcome(self, _completed: torch.futures.Future) -> list[torch.Tensor]:
         if self._error is not None:
@@ -50,16 +58,22 @@ class SMDDPWork(dist._Work):
     # called by the communication thread
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
-        self._completed.set_result(None)  # runs _outcome: completes _future with the outputs or the error
-        self._done.set()
+        with self._lock:
+            self._finished = True
+            completed = self._completed
+        if completed is not None:
+            completed.set_result(None)  # runs _outcome: completes the future with the outputs or the error
+        self._running.release()  # after the future: whoever wait()ed may read it at once
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        limit = timeout.total_seconds() or self._timeout_s
-        if not self._done.wait(limit):
-            raise PeerFailureError(
-                f"{self._describe}: not complete after {limit:.0f} s (the process group timeout); a peer "
-                "is stuck, dead or calling a different collective"
-            )
+        if not self._finished:
+            limit = timeout.total_seconds() or self._timeout_s
+            if not self._running.acquire(timeout=limit):
+                raise PeerFailureError(
+                    f"{self._describe}: not complete after {limit:.0f} s (the process group timeout); a peer "
+                    "is stuck, dead or calling a different collective"
+                )
+            self._running.release()  # for the next waiter
         if self._error is not None:
             raise as_backend_error(self._error)
         return True
@@ -68,10 +82,10 @@ class SMDDPWork(dist._Work):
         self.wait()
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._finished and self._error is None
 
     def exception(self):
         return self._error
@@ -81,6 +95,14 @@ class SMDDPWork(dist._Work):
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            made_now = self._future is None
+            if made_now:
+                self._completed = torch.futures.Future()
+                self._future = self._completed.then(self._outcome)
+            finished = self._finished
+        if made_now and finished:  # _finish ran before anyone asked: complete it here
+            self._completed.set_result(None)
         return self._future
 
     def result_tensors(self) -> list[torch.Tensor]:
