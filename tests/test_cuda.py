@@ -139,6 +139,32 @@ def test_watchdog_releases_ended_work_and_leaves_young_work_alone():
     assert dog.in_flight() == 1 and events == [] and young.error is None
 
 
+class _Counted(_InFlight):
+    """A collective that counts how often the watchdog asks whether it has ended."""
+
+    asked = 0
+
+    def ended(self) -> bool:
+        _Counted.asked += 1
+        return super().ended()
+
+
+def test_watchdog_asks_the_newest_collective_first_and_releases_all_before_it():
+    # one stream per device ends a group's collectives in launch order: the newest that has ended
+    # vouches for the older ones, so a poll does not query thousands of events while the caller waits
+    dog, events = _watchdog()
+    _Counted.asked = 0
+    for i in range(1000):
+        dog.track(_Counted(f"old {i}", 0.0, 10, ended=True))
+    young = [_Counted(f"young {i}", 0.0, 10) for i in range(3)]
+    for work in young:
+        dog.track(work)
+    dog.poll()
+    assert dog.in_flight() == 3 and events == [] and _Counted.asked == 4  # 3 still running, then 1 ended
+    dog.poll()
+    assert dog.in_flight() == 3 and _Counted.asked == 7  # none has ended: each still running is asked
+
+
 def test_watchdog_aborts_a_stuck_collective_and_fails_everything_in_flight():
     dog, events = _watchdog()
     stuck = _InFlight("[smddp rank 0/2 host h] all_reduce:", 11.0, 10)

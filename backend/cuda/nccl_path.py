@@ -27,7 +27,7 @@ from .communicators import (NCCL_AVG_VERSION, NCCL_BF16_VERSION, NCCL_DTYPE_NAME
                             nccl_version_string)
 from .environment import efa_devices, find_net_plugin, network_report
 from .watchdog import Watchdog
-from .work import CudaWork, capturing, run_on_stream
+from .work import CommStream, CudaWork, capturing
 
 log = logging.getLogger("smddp_lite")
 
@@ -52,7 +52,8 @@ class NcclPath:
         self.timeout, self.blocking, self.debug = timeout, blocking, debug
         self.comms = Communicators(nccl, store, rank, world_size)
         self.avg_native = self.comms.version >= NCCL_AVG_VERSION
-        self.streams: dict[int, torch.cuda.Stream] = {}
+        self.streams: dict[int, CommStream] = {}
+        self._describe: dict[str, str] = {}  # op -> where(rank, world, op), made once per op
         self.last_device: torch.device | None = None
         self.watchdog = Watchdog(f"r{rank}", self.comms.check_async_errors, self.comms.abort, on_failure)
         self._dtype = {dt: getattr(nccl, name) for dt, name in NCCL_DTYPE_NAMES.items() if hasattr(nccl, name)
@@ -63,7 +64,9 @@ class NcclPath:
     def _launch(self, op: str, device: torch.device, touched: list[torch.Tensor], outputs: list[torch.Tensor],
                 enqueue: Callable[[object, int], None]) -> CudaWork:
         """Enqueue ``enqueue(comm, stream_handle)`` on the group's stream for ``device``."""
-        describe = where(self.rank, self.world_size, op)
+        describe = self._describe.get(op)
+        if describe is None:
+            describe = self._describe[op] = where(self.rank, self.world_size, op)
         in_capture = capturing(device)
         if in_capture and (device.index not in self.comms.by_device or device.index not in self.streams):
             raise SMDDPError(f"{describe} the first collective on {device} is being captured into a CUDA graph, "
@@ -73,16 +76,17 @@ class NcclPath:
         self._report_once(device)
         stream = self.streams.get(device.index)
         if stream is None:
-            stream = self.streams[device.index] = torch.cuda.Stream(device)
-        work = CudaWork(describe, device, outputs, self.timeout, self.blocking, captured=in_capture)
+            stream = self.streams[device.index] = CommStream(device)
+        work = CudaWork(describe, device, outputs, self.timeout, self.blocking, captured=in_capture,
+                        host_side=False)
         try:
-            run_on_stream(stream, touched, lambda: enqueue(comm, stream.cuda_stream))
+            stream.run(touched, lambda: enqueue(comm, stream.cuda_stream))
         except Exception as exc:  # NcclError: NCCL's own text, e.g. "NCCL_ERROR_INVALID_ARGUMENT: ..."
             reason = f"{describe} NCCL failed: {exc}"
             self.watchdog.fail_all(reason)  # aborts, and fails what was enqueued before this call
             raise SMDDPError(reason) from exc
         work.keep = touched
-        work.enqueued(stream)
+        work.enqueued(stream.stream)
         if not in_capture:  # a captured call runs at each replay; the watchdog's event queries
             self.watchdog.track(work)  # during a capture would invalidate the graph
         self.last_device = device

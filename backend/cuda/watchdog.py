@@ -2,9 +2,10 @@
 
 NCCL reports some errors only asynchronously (a peer's connection dropped, a remote rank died)
 and a collective whose peers never arrive spins on the GPU forever. A daemon thread per process
-group therefore polls, every ``POLL_S``, each collective still in flight: one whose end event has
-passed is released; otherwise the communicator's asynchronous error is checked, and one older than
-the process group's timeout counts as stuck. Either way every communicator of the group is
+group therefore polls, every ``POLL_S``, the collectives still in flight: those whose end event
+has passed are released (asked newest first: one stream per device ends them in order);
+otherwise the communicator's asynchronous error is checked, and one older than the process
+group's timeout counts as stuck. Either way every communicator of the group is
 aborted (which makes NCCL's kernels return), every collective in flight fails with the reason,
 and the group refuses later calls with it, on every rank that sees the failure, instead of
 hanging. This is what ProcessGroupNCCL's watchdog does with TORCH_NCCL_ASYNC_ERROR_HANDLING.
@@ -115,18 +116,11 @@ class Watchdog:
             self._check_async_error()
         except Exception as exc:  # NCCL's own text, e.g. "NCCL_ERROR_REMOTE_ERROR: ..."
             reason = f"NCCL reported an asynchronous error: {exc}"
+        ended = self._ended(pending)
         still = []
         now = time.monotonic()
-        for work in pending:
-            # the event's device made current: a thread starts on device 0, and a CUDA call there
-            # would give every rank a context (hundreds of MiB) on the first GPU
-            with torch.cuda.device(work.device):
-                if (not self._capture_mode_set and getattr(work.device, "type", None) == "cuda"
-                        and threading.current_thread() is self._thread):  # the mode is per thread
-                    self._capture_mode_set = True  # tried once: it fails the same way each time
-                    use_thread_local_capture_mode()
-                ended = work.error is not None or work.ended()
-            if ended:
+        for work, done in zip(pending, ended):
+            if done:
                 work.keep = []  # done: drop the references that kept its tensors alive
                 continue
             if reason is None and now - work.started > work.timeout_s:
@@ -138,6 +132,31 @@ class Watchdog:
             still = []
         with self._lock:
             self._pending = still + self._pending[len(pending):]
+
+    def _ended(self, pending: list[CudaWork]) -> list[bool]:
+        """Which of ``pending`` (in launch order) have ended. A group's collectives on one
+        device share one stream and end in launch order, so each device's works are asked from
+        the newest back, and the first that has ended vouches for all before it: a poll costs a
+        few event queries, not one per call in flight (a loop of small collectives launches
+        hundreds between two polls, and the queries hold the interpreter lock its caller needs)."""
+        ended = [work.error is not None for work in pending]
+        by_device: dict[object, list[int]] = {}
+        for i, work in enumerate(pending):
+            by_device.setdefault(work.device, []).append(i)
+        for device, indices in by_device.items():
+            # the event's device made current: a thread starts on device 0, and a CUDA call there
+            # would give every rank a context (hundreds of MiB) on the first GPU
+            with torch.cuda.device(device):
+                if (not self._capture_mode_set and getattr(device, "type", None) == "cuda"
+                        and threading.current_thread() is self._thread):  # the mode is per thread
+                    self._capture_mode_set = True  # tried once: it fails the same way each time
+                    use_thread_local_capture_mode()
+                for position in range(len(indices) - 1, -1, -1):
+                    if pending[indices[position]].ended():
+                        for i in indices[:position + 1]:
+                            ended[i] = True
+                        break
+        return ended
 
     def _fail(self, reason: str, works: list[CudaWork]) -> None:
         log.error("smddp: %s; aborting the group's NCCL communicators", reason)

@@ -41,7 +41,7 @@ class CudaWork(dist._Work):
     """
 
     def __init__(self, describe: str, device: torch.device, outputs: list[torch.Tensor], timeout: timedelta,
-                 blocking: bool, captured: bool = False) -> None:
+                 blocking: bool, captured: bool = False, host_side: bool = True) -> None:
         super().__init__()
         self.describe = describe
         # enqueued while the caller's stream was capturing a CUDA graph: it runs at each replay,
@@ -55,7 +55,9 @@ class CudaWork(dist._Work):
         self.timeout_s = timeout.total_seconds()
         self.blocking = blocking
         self.error: BaseException | None = None
-        self._host_done = threading.Event()  # set once the host-side part (if any) has finished
+        # set once the host-side part has finished; a call enqueued whole by the caller's thread
+        # (NCCL) has none, and shares one event that is always set (a fresh one costs per call)
+        self._host_done = threading.Event() if host_side else _NO_HOST_SIDE
         # made on request (most callers only wait()): ``_completion`` is completed by this work, and
         # the future handed out is its ``then`` child, which raises the failure (see _outcome)
         self._completion: torch.futures.Future | None = None
@@ -194,9 +196,16 @@ class CudaWork(dist._Work):
         self._raise_if_failed()
 
 
+_NO_HOST_SIDE = threading.Event()
+_NO_HOST_SIDE.set()
+
+
 def capturing(device: torch.device) -> bool:
     """Whether ``device``'s current stream (the caller's, which collectives wait for) is
-    capturing a CUDA graph."""
+    capturing a CUDA graph. (Every call asks: switching devices only when the tensors are not on
+    the current one keeps this off the per-call cost.)"""
+    if device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
     with torch.cuda.device(device):
         return torch.cuda.is_current_stream_capturing()
 
@@ -211,13 +220,39 @@ def _future_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def run_on_stream(stream: torch.cuda.Stream, tensors: list[torch.Tensor], enqueue: Callable[[], None]) -> None:
-    """Make ``stream`` wait for the caller's current stream, run ``enqueue`` with ``stream``
-    current (so kernels it launches, temporaries it allocates and NCCL calls given
-    ``torch.cuda.current_stream()`` all land there), and mark ``tensors`` as used on ``stream``
-    for the caching allocator."""
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        enqueue()
-    for t in tensors:
-        t.record_stream(stream)
+class CommStream:
+    """A process group's communication stream on one device, and the event it waits on.
+
+    ``run`` makes the stream wait for the caller's current stream, runs ``enqueue`` with the
+    stream current (so kernels it launches, temporaries it allocates and NCCL calls given
+    ``torch.cuda.current_stream()`` all land there), and marks ``tensors`` as used on the stream
+    for the caching allocator. It does what ``stream.wait_stream`` and ``with
+    torch.cuda.stream(...)`` do, with fewer calls into CUDA and torch per collective (the H100 run
+    measured 130-180 us of host time per call above torch's nccl): no new CUDA event per call
+    (one serves every call, because a stream waits for what was recorded when ``wait_event`` is
+    called, not for later records) and no stream context object.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.cuda_stream = self.stream.cuda_stream
+        self._caller_reached = torch.cuda.Event()
+        self._recording = threading.Lock()  # two threads' calls must not record over each other
+
+    def run(self, tensors: list[torch.Tensor], enqueue: Callable[[], None]) -> None:
+        if self.device.index != torch.cuda.current_device():
+            # set_stream also makes the stream's device current: keep the caller's afterwards
+            with torch.cuda.device(self.device):
+                return self.run(tensors, enqueue)
+        caller = torch.cuda.current_stream(self.device)
+        with self._recording:
+            self._caller_reached.record(caller)
+            self.stream.wait_event(self._caller_reached)
+        torch.cuda.set_stream(self.stream)
+        try:
+            enqueue()
+        finally:
+            torch.cuda.set_stream(caller)
+        for t in tensors:
+            t.record_stream(self.stream)
