@@ -205,3 +205,51 @@ def test_use_before_init_says_so():
 
     with pytest.raises((RuntimeError, ValueError), match="init_process_group|not been initialized"):
         dist.all_reduce(torch.ones(3))
+
+
+def _work(timeout_s: float = 5.0):
+    from datetime import timedelta
+
+    from smddp_lite.backend.work import SMDDPWork
+
+    return SMDDPWork("[smddp rank 0/2 host h] all_reduce:", [torch.ones(2)], timedelta(seconds=timeout_s))
+
+
+def test_work_future_asked_for_after_the_call_ended_carries_its_outcome():
+    # the future is made on request, so it may be asked for after the communication thread ended
+    # the call: it must then hold the outputs, or raise the failure as an error of the future
+    ok = _work()
+    ok._finish(None)
+    assert ok.is_completed() and ok.is_success() and ok.wait()
+    (value,) = ok.get_future().wait()
+    assert torch.equal(value, torch.ones(2))
+    failed = _work()
+    failed._finish(RuntimeError("peer 1 closed the connection"))
+    assert failed.is_completed() and not failed.is_success()
+    with pytest.raises(RuntimeError, match="SMDDPError: peer 1 closed the connection"):  # torch wraps it
+        failed.get_future().wait()
+    with pytest.raises(dist.DistBackendError, match="peer 1 closed the connection"):
+        failed.wait()
+
+
+def test_work_waiters_and_future_asked_for_before_the_end_all_see_it():
+    import threading
+
+    work = _work()
+    future = work.get_future()
+    assert not future.done() and not work.is_completed()
+    waited = []
+    waiters = [threading.Thread(target=lambda: waited.append(work.wait())) for _ in range(3)]
+    for t in waiters:
+        t.start()
+    threading.Timer(0.05, work._finish, [None]).start()
+    for t in waiters:
+        t.join(5)
+    assert waited == [True, True, True] and future.done() and work.get_future() is future
+
+
+def test_work_wait_gives_up_after_the_timeout_saying_so():
+    from smddp_lite.backend.errors import PeerFailureError
+
+    with pytest.raises(PeerFailureError, match=r"all_reduce:: not complete after 0 s \(the process group timeout\)"):
+        _work(timeout_s=0.1).wait()
