@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .errors import CollectiveMismatchError, PeerRefusedError, where
 from .ops import DTYPES, LOW_PRECISION, RedOp, as_sum
+from .scratch import Scratch
 from .transports.base import Transport
 
 _BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
@@ -61,6 +62,7 @@ class Collectives:
         self.transport = transport
         self.rank, self.world_size = transport.rank, transport.world_size
         self._check = check_signatures and not transport.checks_signatures
+        self.scratch = Scratch()  # float32 copies of 16-bit messages, reused (scratch.py says why)
 
     # shared steps ------------------------------------------------------------------------------
     def _agree(self, op: str, dtype: torch.dtype | None, numel: int, arg: int = 0) -> None:
@@ -94,7 +96,7 @@ class Collectives:
         """The tensor the transport reduces, the op it applies, and the write-back afterwards."""
         if flat.dtype is torch.bool:
             return flat.view(torch.uint8), _BOOL_OP[op], lambda: None
-        wire = flat.float() if self._needs_float32(flat.dtype, op) else flat
+        wire = self.scratch.widened("wire", flat) if self._needs_float32(flat.dtype, op) else flat
 
         wire_op, divide_by = as_sum(op, self.world_size)
 
@@ -162,7 +164,7 @@ class Collectives:
             self.transport.reduce_scatter(dst, src, op)  # 16 bits on the network (widened: twice the bytes)
         else:
             wire_out, wire_op, finish = self._wire(dst, op)
-            wire_in = src.float() if wire_out is not dst else src
+            wire_in = self.scratch.widened("wire in", src) if wire_out is not dst else src
             self.transport.reduce_scatter(wire_out, wire_in, wire_op)
             finish()
         unpack()

@@ -446,6 +446,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             self._cuda.close(abort)
         self._comm.stop()
         self.transport.close()
+        self.collectives.scratch.release()
 
 
 class _Preparing:

@@ -1,0 +1,40 @@
+"""Working buffers a process group reuses from call to call.
+
+Some calls need a temporary as large as their message: a float32 copy of 16-bit values for a
+transport that cannot sum 16-bit floats in float32 itself (MPI). Allocated fresh on every call,
+such a buffer is expensive on CPU: from 32 MiB glibc maps new pages for it each time, and
+the first write to each page faults. Converting 64 MiB of bfloat16 to a fresh float32 tensor took
+50 ms on the development VM, against 6 ms into a buffer already touched (see
+benchmarks/results/2026-11-24-scratch-buffers.md). A group therefore keeps one buffer per use
+and dtype, grown to the largest message it has seen, and hands out views of it.
+
+A group runs its collectives one after another (on its communication thread, or inline on the
+caller's), so one buffer per use is never handed out twice at once. The buffers live as long as
+the group; ``release`` drops them (process group shutdown).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Scratch:
+    """Grow-only buffers, one per (use, dtype); ``get`` returns a 1-D view of ``numel`` elements."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, use: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buffer = self._buffers.get((use, dtype))
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[(use, dtype)] = torch.empty(numel, dtype=dtype)
+        return buffer[:numel]
+
+    def widened(self, use: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of (1-D) ``tensor`` in the buffer for ``use``."""
+        wide = self.get(use, torch.float32, tensor.numel())
+        wide.copy_(tensor)
+        return wide
+
+    def release(self) -> None:
+        self._buffers.clear()
