@@ -557,3 +557,67 @@ def functional_collectives() -> dict:
     }
     dist.destroy_process_group()
     return result
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def soak(rounds: int = 600, checkpoints: int = 4, growth_lines: int = 0) -> dict:
+    """Every kind of collective, round after round, with this rank's memory read at checkpoints:
+    the Python heap (tracemalloc, after a full garbage collection) and the resident set. Whatever a
+    call leaves behind (a handle, a future, a store key, a buffer) grows them in step with the calls.
+    Values are checked as it goes, so a leak fixed by corrupting results does not pass."""
+    import gc
+    import tracemalloc
+
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = 256 * world
+    values = torch.empty(n)
+    wide = torch.empty(1 << 16, dtype=torch.bfloat16)  # 16-bit: the widening paths and their buffers
+    gathered, scattered = torch.empty(n * world), torch.empty(n)
+    wrong = []
+    # torch 2.13 deprecates the *_into_tensor / *_tensor names, and every deprecation warning adds to
+    # the warnings registry, which would read as growth here
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+    def one_round(i: int) -> None:
+        values.fill_(rank + 1)
+        dist.all_reduce(values)
+        wide.fill_(rank + 1)
+        dist.all_reduce(wide, op=dist.ReduceOp.AVG)
+        all_gather(gathered, values)
+        reduce_scatter(scattered, gathered)
+        dist.broadcast(values, src=i % world)
+        chained = dist.all_reduce(values, async_op=True).get_future().then(lambda f: f.value()[0][0].item())
+        total = world * (world + 1) // 2
+        got = (chained.wait(), float(wide[-1]), float(scattered[0]))
+        if got != (total * world, (world + 1) / 2, total * world):
+            wrong.append((i, got))
+        if i % 50 == 0:
+            dist.barrier()
+
+    for i in range(100):  # warm-up: buffers, first-call caches
+        one_round(i)
+    gc.collect()
+    tracemalloc.start(8 if growth_lines else 1)
+    heap, resident, first = [], [], None
+    for c in range(checkpoints):
+        for i in range(rounds // checkpoints):
+            one_round(i)
+        gc.collect()
+        heap.append(tracemalloc.get_traced_memory()[0])
+        resident.append(_resident_bytes())
+        if growth_lines and c == 0:
+            first = tracemalloc.take_snapshot()
+    growth = []
+    if growth_lines:  # where the heap grew between the first checkpoint and the last, for a report
+        stats = tracemalloc.take_snapshot().compare_to(first, "traceback")[:growth_lines]
+        growth = [f"{s.size_diff:+d} B in {s.count_diff:+d} blocks: " + " <- ".join(
+            f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in s.traceback) for s in stats]
+    tracemalloc.stop()
+    dist.destroy_process_group()
+    return {"heap": heap, "resident": resident, "wrong": wrong[:5], "growth": growth}
