@@ -38,7 +38,8 @@ class SMDDPWork(dist._Work):
         self._outputs = outputs
         self._timeout_s = timeout.total_seconds()
         self._error: BaseException | None = None
-        self._finished = False
+        self._ended = False  # the call is over (under _lock: decides who completes the future)
+        self._finished = False  # ... and its future, if one was asked for, is complete
         # Held until the collective ends; wait() blocks on it. A plain lock, not an Event (a
         # Condition and its lock): one is made per call, and small calls felt the difference.
         self._running = threading.Lock()
@@ -59,11 +60,13 @@ class SMDDPWork(dist._Work):
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
         with self._lock:
-            self._finished = True
+            self._ended = True
             completed = self._completed
         if completed is not None:
             completed.set_result(None)  # runs _outcome: completes the future with the outputs or the error
-        self._running.release()  # after the future: whoever wait()ed may read it at once
+        # only now: whoever sees the work finished (wait, is_completed) may read its future at once
+        self._finished = True
+        self._running.release()
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if not self._finished:
@@ -73,7 +76,7 @@ class SMDDPWork(dist._Work):
                     f"{self._describe}: not complete after {limit:.0f} s (the process group timeout); a peer "
                     "is stuck, dead or calling a different collective"
                 )
-            self._running.release()  # for the next waiter
+            self._running.release()  # taken only to learn that the call ended: the next waiter's turn
         if self._error is not None:
             raise as_backend_error(self._error)
         return True
@@ -100,8 +103,8 @@ class SMDDPWork(dist._Work):
             if made_now:
                 self._completed = torch.futures.Future()
                 self._future = self._completed.then(self._outcome)
-            finished = self._finished
-        if made_now and finished:  # _finish ran before anyone asked: complete it here
+            ended = self._ended
+        if made_now and ended:  # _finish ran before anyone asked: complete it here
             self._completed.set_result(None)
         return self._future
 

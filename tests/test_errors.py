@@ -239,7 +239,8 @@ def test_work_waiters_and_future_asked_for_before_the_end_all_see_it():
     future = work.get_future()
     assert not future.done() and not work.is_completed()
     waited = []
-    waiters = [threading.Thread(target=lambda: waited.append(work.wait())) for _ in range(3)]
+    # a waiter that wakes must find the future already complete (it may read it at once)
+    waiters = [threading.Thread(target=lambda: waited.append(work.wait() and future.done())) for _ in range(3)]
     for t in waiters:
         t.start()
     threading.Timer(0.05, work._finish, [None]).start()
