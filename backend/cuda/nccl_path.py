@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from datetime import timedelta
 from typing import Callable
 
@@ -54,6 +55,7 @@ class NcclPath:
         self.avg_native = self.comms.version >= NCCL_AVG_VERSION
         self.streams: dict[int, CommStream] = {}
         self._describe: dict[str, str] = {}  # op -> where(rank, world, op), made once per op
+        self._launching = threading.Lock()
         self.last_device: torch.device | None = None
         self.watchdog = Watchdog(f"r{rank}", self.comms.check_async_errors, self.comms.abort, on_failure)
         self._dtype = {dt: getattr(nccl, name) for dt, name in NCCL_DTYPE_NAMES.items() if hasattr(nccl, name)
@@ -79,16 +81,19 @@ class NcclPath:
             stream = self.streams[device.index] = CommStream(device)
         work = CudaWork(describe, device, outputs, self.timeout, self.blocking, captured=in_capture,
                         host_side=False)
-        try:
-            stream.run(touched, lambda: enqueue(comm, stream.cuda_stream))
-        except Exception as exc:  # NcclError: NCCL's own text, e.g. "NCCL_ERROR_INVALID_ARGUMENT: ..."
-            reason = f"{describe} NCCL failed: {exc}"
-            self.watchdog.fail_all(reason)  # aborts, and fails what was enqueued before this call
-            raise SMDDPError(reason) from exc
-        work.keep = touched
-        work.enqueued(stream.stream)
-        if not in_capture:  # a captured call runs at each replay; the watchdog's event queries
-            self.watchdog.track(work)  # during a capture would invalidate the graph
+        # one call at a time from enqueue to tracking, so that the watchdog's list is in stream
+        # order even when several threads call (it lets a newer call that ended vouch for older ones)
+        with self._launching:
+            try:
+                stream.run(touched, lambda: enqueue(comm, stream.cuda_stream))
+            except Exception as exc:  # NcclError: NCCL's own text, e.g. "NCCL_ERROR_INVALID_ARGUMENT: ..."
+                reason = f"{describe} NCCL failed: {exc}"
+                self.watchdog.fail_all(reason)  # aborts, and fails what was enqueued before this call
+                raise SMDDPError(reason) from exc
+            work.keep = touched
+            work.enqueued(stream.stream)
+            if not in_capture:  # a captured call runs at each replay; the watchdog's event queries
+                self.watchdog.track(work)  # during a capture would invalidate the graph
         self.last_device = device
         return work
 
