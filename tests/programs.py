@@ -564,11 +564,13 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def soak(rounds: int = 600, checkpoints: int = 4, growth_lines: int = 0) -> dict:
+def soak(rounds: int = 1200, checkpoints: int = 10, compare_from: int = 4) -> dict:
     """Every kind of collective, round after round, with this rank's memory read at checkpoints:
     the Python heap (tracemalloc, after a full garbage collection) and the resident set. Whatever a
     call leaves behind (a handle, a future, a store key, a buffer) grows them in step with the calls.
-    Values are checked as it goes, so a leak fixed by corrupting results does not pass."""
+    ``growth`` lists the source lines whose live blocks grew most between checkpoint
+    ``compare_from`` and the last, so a leak in one kind of call shows even where the total hides it. Values are checked
+    as it goes, so a leak fixed by corrupting results does not pass."""
     import gc
     import tracemalloc
 
@@ -603,21 +605,20 @@ def soak(rounds: int = 600, checkpoints: int = 4, growth_lines: int = 0) -> dict
     for i in range(100):  # warm-up: buffers, first-call caches
         one_round(i)
     gc.collect()
-    tracemalloc.start(8 if growth_lines else 1)
-    heap, resident, first = [], [], None
+    tracemalloc.start()
+    heap, resident, reference = [], [], None
     for c in range(checkpoints):
         for i in range(rounds // checkpoints):
             one_round(i)
         gc.collect()
         heap.append(tracemalloc.get_traced_memory()[0])
         resident.append(_resident_bytes())
-        if growth_lines and c == 0:
-            first = tracemalloc.take_snapshot()
-    growth = []
-    if growth_lines:  # where the heap grew between the first checkpoint and the last, for a report
-        stats = tracemalloc.take_snapshot().compare_to(first, "traceback")[:growth_lines]
-        growth = [f"{s.size_diff:+d} B in {s.count_diff:+d} blocks: " + " <- ".join(
-            f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in s.traceback) for s in stats]
+        if c == compare_from:
+            reference = tracemalloc.take_snapshot()
+    diffs = tracemalloc.take_snapshot().compare_to(reference, "lineno")
     tracemalloc.stop()
+    growth = [{"blocks": d.count_diff, "bytes": d.size_diff,
+               "where": f"{d.traceback[0].filename.rsplit('/', 2)[-1]}:{d.traceback[0].lineno}"}
+              for d in sorted(diffs, key=lambda d: -d.count_diff)[:3]]
     dist.destroy_process_group()
     return {"heap": heap, "resident": resident, "wrong": wrong[:5], "growth": growth}
