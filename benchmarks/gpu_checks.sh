@@ -1,21 +1,22 @@
 #!/bin/bash
 # Every check that needs a GPU, in one go, for a machine lent for a few minutes:
-#   1. the GPU tests (python -m pytest -m gpu)
-#   2. the Triton kernels against their references on the GPU (tests/test_kernels.py)
-#   3. per-call host time against torch's nccl, with a profile of where smddp's time goes
-#   4. the overhead benchmark in nccl-tests format (issue 3's criterion)
-#   5. the optimizer-step benchmark (issue 4's criterion), one parameter count at a time
+#   overhead:  per-call time against torch's nccl, with a profile of where smddp's time goes,
+#              and the overhead benchmark in nccl-tests format (issue 3's criterion)
+#   tests:     the GPU tests (python -m pytest -m gpu), and the Triton kernels against their
+#              references on the GPU (tests/test_kernels.py)
+#   optimizer: the optimizer-step benchmark (issue 4's criterion), one parameter count at a time
 # Each step has its own time limit, so one that hangs or runs long costs only its own share, and
 # everything it printed is kept. Usage, from the repository root on the GPU machine:
 #
-#   bash benchmarks/gpu_checks.sh OUT_DIR [--install] [tests] [overhead] [optimizer]
+#   bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer]
 #
-# With no part named, all three run (about 16 minutes at most). Where one command may run for
-# 10 minutes at most, run `tests overhead` (about 8) and then `optimizer` (about 7).
+# With no part named, all three run, in that order. Their time limits add up to 3, 6.5 and 6.5
+# minutes; where one command may run for 10 minutes, run `overhead tests` (the GPU tests took
+# 4 minutes on an H100) and then `optimizer`. The exit status is the number of steps that failed.
 # --install first runs `pip install --no-deps --no-build-isolation -e .` (for an image that has
 # torch, cupy and triton but not this package). Record what it measured in benchmarks/results/.
 set -u
-usage="usage: bash benchmarks/gpu_checks.sh OUT_DIR [--install] [tests] [overhead] [optimizer]"
+usage="usage: bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer]"
 out=${1:?$usage}
 shift
 install=0 parts=""
@@ -26,11 +27,12 @@ for arg in "$@"; do
         *) echo "unknown argument '$arg'; $usage" >&2; exit 2 ;;
     esac
 done
-parts=${parts:-" tests overhead optimizer"}
+parts=${parts:-" overhead tests optimizer"}
 wants() { [[ " $parts " == *" $1 "* ]]; }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
+failed=0
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, output to OUT_DIR/NAME.log
     local name=$1 limit=$2
@@ -40,6 +42,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, output to OUT_D
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
     local rc=$?
     echo "== $name: exit $rc after $((SECONDS - start)) s$([ $rc = 124 ] && echo ' (time limit)')"
+    [ $rc = 0 ] || failed=$((failed + 1))
     tail -n 3 "$out/$name.log"
 }
 
@@ -55,20 +58,22 @@ fi
 } >"$out/environment.txt" 2>&1
 cat "$out/environment.txt"
 
+if wants overhead; then
+    step call-latency 60 $py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/latency.py \
+        --device cuda --backends smddp,nccl --profile "$out/smddp-call-profile.txt"
+    step overhead 120 $py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/collectives.py \
+        --device cuda --backends smddp,nccl --ops all_reduce,all_gather -b 8 -e 256M -n 100 \
+        --json "$out/overhead.json"
+fi
 if wants tests; then
     step gpu-tests 300 $py -m pytest -m gpu -q -p no:cacheprovider -ra
-    step kernel-tests 120 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py
-fi
-if wants overhead; then
-    step call-latency 60 torchrun --standalone --nproc-per-node 1 benchmarks/latency.py --device cuda \
-        --backends smddp,nccl --profile "$out/smddp-call-profile.txt"
-    step overhead 120 torchrun --standalone --nproc-per-node 1 benchmarks/collectives.py --device cuda \
-        --backends smddp,nccl --ops all_reduce,all_gather -b 8 -e 256M -n 100 --max-iters 100 \
-        --json "$out/overhead.json"
+    step kernel-tests 90 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py
 fi
 if wants optimizer; then
     for params in 125M 350M 1B; do
-        step "optimizer-step-$params" 140 $py benchmarks/optimizer_step.py --device cuda --params "$params" \
+        step "optimizer-step-$params" 130 $py benchmarks/optimizer_step.py --device cuda --params "$params" \
             --json "$out/optimizer-step-$params.json"
     done
 fi
+echo "== $failed step(s) failed; the logs are in $out"
+exit $failed
