@@ -11,7 +11,6 @@ else through host memory and the CPU path.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from datetime import timedelta
