@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..errors import PeerFailureError
 from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum
+from ..scratch import Scratch
 from .base import Transport
 from .refusals import POLL
 
@@ -42,6 +43,9 @@ class GlooTransport(Transport):
     def __init__(self, store, rank: int, world_size: int, timeout) -> None:
         super().__init__(rank, world_size)
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
+        # float32 working buffers of reduce_scatter's reduction (used only inside its finish(),
+        # which a group runs one at a time, also when several reduce_scatters are in flight)
+        self._scratch = Scratch()
 
     def _run(self, op: str, work) -> None:
         if self.refusals is None:
@@ -130,15 +134,18 @@ class GlooTransport(Transport):
         def finish() -> None:
             self._run("reduce_scatter", work)
             blocks = received.view(self.world_size, -1)
-            if accumulate is not None and accumulate != blocks.dtype:
-                blocks = blocks.to(accumulate)
-            total = output if output.dtype == blocks.dtype else torch.empty(output.numel(), dtype=blocks.dtype)
-            if op is RedOp.SUM:
-                torch.sum(blocks, 0, out=total)
-            else:
-                total.copy_(blocks[0])
-                for block in blocks[1:]:
-                    COMBINE[op](total, block, out=total)
+            dtype = accumulate or blocks.dtype
+            n = blocks.shape[1]
+            total = output if output.dtype == dtype else self._scratch.get("total", dtype, n)
+            # block by block, in rank order: one widening copy of each 16-bit block into a buffer
+            # that stays mapped, then an elementwise op. torch.sum(blocks, 0) over a float32 copy of
+            # all blocks, as before, took 15.5 ms for 16 MiB of bfloat16 where this takes 2.5, and a
+            # mixed-dtype add makes its own fresh float32 copy (page faults from 32 MiB)
+            total.copy_(blocks[0])
+            for block in blocks[1:]:
+                if block.dtype != dtype:
+                    block = self._scratch.get("block", dtype, n).copy_(block)
+                COMBINE[op](total, block, out=total)
             if divide_by is not None:
                 total.div_(divide_by)
             if total is not output:
@@ -158,3 +165,4 @@ class GlooTransport(Transport):
 
     def close(self) -> None:
         self._pg = None
+        self._scratch.release()
