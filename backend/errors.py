@@ -3,6 +3,7 @@ what was found, and how to fix it."""
 
 from __future__ import annotations
 
+import functools
 import socket
 
 import torch.distributed as dist
@@ -10,6 +11,7 @@ import torch.distributed as dist
 _HOST = socket.gethostname()
 
 
+@functools.lru_cache(maxsize=None)  # a handful of (rank, size, op) per group; made on every call's Work
 def where(rank: int, world_size: int, op: str) -> str:
     """The prefix every smddp error starts with, e.g. ``[smddp rank 1/2 host a] all_reduce:``."""
     return f"[smddp rank {rank}/{world_size} host {_HOST}] {op}:"

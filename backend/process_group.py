@@ -100,7 +100,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self.collectives = Collectives(self.transport, self.config.checks_collectives)
         self._comm = CommThread(f"smddp-comm-{group_name or 'default'}", inline=self.transport.runs_inline)
         self._calls = 0
-        self._where: dict[str, str] = {}  # op -> the prefix of its errors (errors.where)
+        self._rank_and_size = (rank, world_size)  # for every call's Work (rank()/size() cross into C++)
         self._failure: str | None = None
         self._closed = False
         self._store = store
@@ -200,10 +200,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             self._failure = f"{where(self.rank(), self.size(), op)} {cannot_go_on}"
 
     def _work(self, op: str, outputs: list[torch.Tensor]) -> SMDDPWork:
-        describe = self._where.get(op)
-        if describe is None:  # made once per op: rank, size and host do not change
-            describe = self._where[op] = where(self.rank(), self.size(), op)
-        return SMDDPWork(describe, outputs, self.timeout)
+        return SMDDPWork(where(*self._rank_and_size, op), outputs, self.timeout)
 
     def _check_usable(self, op: str) -> None:
         if self._closed:

@@ -54,7 +54,6 @@ class NcclPath:
         self.comms = Communicators(nccl, store, rank, world_size)
         self.avg_native = self.comms.version >= NCCL_AVG_VERSION
         self.streams: dict[int, CommStream] = {}
-        self._describe: dict[str, str] = {}  # op -> where(rank, world, op), made once per op
         self._launching = threading.Lock()
         self.last_device: torch.device | None = None
         self.watchdog = Watchdog(f"r{rank}", self.comms.check_async_errors, self.comms.abort, on_failure)
@@ -66,9 +65,7 @@ class NcclPath:
     def _launch(self, op: str, device: torch.device, touched: list[torch.Tensor], outputs: list[torch.Tensor],
                 enqueue: Callable[[object, int], None]) -> CudaWork:
         """Enqueue ``enqueue(comm, stream_handle)`` on the group's stream for ``device``."""
-        describe = self._describe.get(op)
-        if describe is None:
-            describe = self._describe[op] = where(self.rank, self.world_size, op)
+        describe = where(self.rank, self.world_size, op)
         in_capture = capturing(device)
         if in_capture and (device.index not in self.comms.by_device or device.index not in self.streams):
             raise SMDDPError(f"{describe} the first collective on {device} is being captured into a CUDA graph, "
