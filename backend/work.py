@@ -21,15 +21,63 @@ import torch.distributed as dist
 from .errors import PeerFailureError, SMDDPError
 
 
+class FutureOnRequest:
+    """A Work's future, made only when someone asks for it (DDP does, for every bucket; a plain
+    ``dist.all_reduce`` never does) and completed exactly once: by the work's end when it was asked
+    for first, else by the request itself. Completing runs ``then`` callbacks inline, so it happens
+    outside the lock (a callback that touched the work again would otherwise deadlock).
+
+    The future handed out is the ``then`` child of the one completed here, and ``outcome`` (its
+    callback) returns the outputs or raises the failure. ``Future.set_exception`` would not do: it
+    is Python's own, and completes the future with the exception as its *value*, which DDP's
+    reducer takes for the reduced bucket and crashes on (a peer dying during ``backward()`` killed
+    the surviving ranks with SIGSEGV). An exception raised by a ``then`` callback is a real error
+    of the future ``then`` returns, which C++ sees."""
+
+    def __init__(self, outcome: Callable[[torch.futures.Future], Any], devices: list | None = None) -> None:
+        self._outcome = outcome
+        self._devices = devices
+        self._completion: torch.futures.Future | None = None
+        self._future: torch.futures.Future | None = None
+        self._ended = False
+        self._claimed = False  # someone has completed (or is completing) the completion
+        self._lock = threading.Lock()
+
+    def end(self, complete: Callable[[torch.futures.Future], None]) -> None:
+        """The work is over: ``complete(completion)`` now if the future was asked for already."""
+        with self._lock:
+            self._ended = True
+            completion = self._claim()
+        if completion is not None:
+            complete(completion)
+
+    def get(self, complete: Callable[[torch.futures.Future], None]) -> torch.futures.Future:
+        """The future, made now if nobody asked before; ``complete``-d here if the work is over."""
+        with self._lock:
+            if self._future is None:
+                self._completion = torch.futures.Future(devices=self._devices)
+                self._future = self._completion.then(self._outcome)
+            completion = self._claim() if self._ended else None
+        if completion is not None:
+            complete(completion)
+        return self._future
+
+    def _claim(self) -> torch.futures.Future | None:
+        if self._completion is None or self._claimed:
+            return None
+        self._claimed = True
+        return self._completion
+
+
+def _set_none(completion: torch.futures.Future) -> None:
+    completion.set_result(None)
+
+
 class SMDDPWork(dist._Work):
     """Handle of one collective: ``wait``, ``is_completed``, ``get_future`` and errors on ``wait``.
 
-    Failures are raised from ``wait()`` as ``DistBackendError``, and set on the future as an error
-    that C++ sees. ``Future.set_exception`` would not do: it is Python's own, and completes the
-    future with the exception as its *value*, which DDP's reducer takes for the reduced bucket
-    and crashes on (a peer dying during ``backward()`` killed the surviving ranks with SIGSEGV).
-    An exception raised by a ``then`` callback is a real error of the future ``then`` returns, so
-    the future users get is that of a callback which raises the failure, or returns the outputs.
+    Failures are raised from ``wait()`` as ``DistBackendError``, and are errors of the future
+    (``FutureOnRequest`` says why that matters to DDP).
     """
 
     def __init__(self, describe: str, outputs: list[torch.Tensor], timeout: timedelta) -> None:
@@ -38,18 +86,12 @@ class SMDDPWork(dist._Work):
         self._outputs = outputs
         self._timeout_s = timeout.total_seconds()
         self._error: BaseException | None = None
-        self._ended = False  # the call is over (under _lock: decides who completes the future)
-        self._finished = False  # ... and its future, if one was asked for, is complete
+        self._finished = False  # the call is over, and its future, if one was asked for, is complete
         # Held until the collective ends; wait() blocks on it. A plain lock, not an Event (a
         # Condition and its lock): one is made per call, and small calls felt the difference.
         self._running = threading.Lock()
         self._running.acquire()
-        # The future is made when asked for (DDP asks for every bucket; a plain dist.all_reduce
-        # never does): ``_completed`` is completed by ``_finish``, and the future handed out is
-        # its ``then`` child. ``_lock`` decides which of the two threads completes it.
-        self._completed: torch.futures.Future | None = None
-        self._future: torch.futures.Future | None = None
-        self._lock = threading.Lock()
+        self._future = FutureOnRequest(self._outcome)
 
     def _outcome(self, _completed: torch.futures.Future) -> list[torch.Tensor]:
         if self._error is not None:
@@ -59,11 +101,7 @@ class SMDDPWork(dist._Work):
     # called by the communication thread
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
-        with self._lock:
-            self._ended = True
-            completed = self._completed
-        if completed is not None:
-            completed.set_result(None)  # runs _outcome: completes the future with the outputs or the error
+        self._future.end(_set_none)  # runs _outcome: completes the future with the outputs or the error
         # only now: whoever sees the work finished (wait, is_completed) may read its future at once
         self._finished = True
         self._running.release()
@@ -98,15 +136,7 @@ class SMDDPWork(dist._Work):
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
-        with self._lock:
-            made_now = self._future is None
-            if made_now:
-                self._completed = torch.futures.Future()
-                self._future = self._completed.then(self._outcome)
-            ended = self._ended
-        if made_now and ended:  # _finish ran before anyone asked: complete it here
-            self._completed.set_result(None)
-        return self._future
+        return self._future.get(_set_none)
 
     def result_tensors(self) -> list[torch.Tensor]:
         """The tensors the collective writes (its future's value), without waiting."""

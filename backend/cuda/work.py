@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerFailureError, SMDDPError
-from ..work import as_backend_error
+from ..work import FutureOnRequest, as_backend_error
 
 
 class CudaWork(dist._Work):
@@ -58,12 +58,8 @@ class CudaWork(dist._Work):
         # set once the host-side part has finished; a call enqueued whole by the caller's thread
         # (NCCL) has none, and shares one event that is always set (a fresh one costs per call)
         self._host_done = threading.Event() if host_side else _NO_HOST_SIDE
-        # made on request (most callers only wait()): ``_completion`` is completed by this work, and
-        # the future handed out is its ``then`` child, which raises the failure (see _outcome)
-        self._completion: torch.futures.Future | None = None
-        self._future: torch.futures.Future | None = None
-        self._future_claimed = False  # someone has completed (or is completing) the completion
-        self._lock = threading.Lock()
+        # made on request (most callers only wait()); its callback raises the failure (_outcome)
+        self._future = FutureOnRequest(self._outcome, devices=[device])
 
     # completion ---------------------------------------------------------------------------------
     def enqueued(self, stream: torch.cuda.Stream) -> None:
@@ -71,30 +67,15 @@ class CudaWork(dist._Work):
         someone already asked for it: the staged path ends on the communication thread)."""
         self.end = torch.cuda.Event()
         self.end.record(stream)
-        with self._lock:
-            self._host_done.set()
-            future = self._claim_future()
-        if future is not None:
-            self._complete_future(future)
+        self._host_done.set()
+        self._future.end(self._complete_future)
 
     def fail(self, error: BaseException) -> None:
         """The collective failed or was aborted (watchdog, a host-side step)."""
-        with self._lock:
-            if self.error is None:
-                self.error = error
-            future = self._claim_future()
-        if future is not None:
-            future.set_result([])  # runs _outcome, which raises self.error into the future handed out
+        if self.error is None:
+            self.error = error
+        self._future.end(self._complete_future)
         self._host_done.set()
-
-    def _claim_future(self) -> torch.futures.Future | None:
-        """The completion future, if it exists and nobody has completed it yet; the caller
-        (holding the lock) completes it after releasing the lock, because completing it runs the
-        ``then`` callbacks inline, and one that touched this work again would deadlock on the lock."""
-        if self._completion is None or self._future_claimed:
-            return None
-        self._future_claimed = True
-        return self._completion
 
     def _outcome(self, completion: torch.futures.Future) -> list[torch.Tensor]:
         """The value of the future handed out, or its error. ``Future.set_exception`` would not
@@ -155,20 +136,12 @@ class CudaWork(dist._Work):
         """A CUDA-aware future of the outputs: completed on a stream that waits for the
         collective's end event, so ``then`` callbacks and ``wait()`` are ordered after it on
         the device (ProcessGroupNCCL completes its futures the same way)."""
-        with self._lock:
-            if self._completion is None:
-                self._completion = torch.futures.Future(devices=[self.device])
-                self._future = self._completion.then(self._outcome)
-            future = self._future
-            ready = self._claim_future() if self.error is not None or self._host_done.is_set() else None
-        if ready is not None:
-            if self.error is not None:
-                ready.set_result([])  # _outcome raises the error
-            else:
-                self._complete_future(ready)
-        return future
+        return self._future.get(self._complete_future)
 
     def _complete_future(self, future: torch.futures.Future) -> None:
+        if self.error is not None:
+            future.set_result([])  # _outcome raises the error into the future handed out
+            return
         # set_result records an event on the current stream: make that a stream of its own that
         # waits for the end event, so neither the caller's stream nor later collectives wait
         stream = _future_stream(self.device)
