@@ -17,12 +17,12 @@ import torch.distributed as dist
 from .errors import CollectiveMismatchError, PeerRefusedError, where
 from .ops import DTYPES, LOW_PRECISION, RedOp, as_sum
 from .scratch import Scratch
-from .transports.base import Transport
+from .transports.base import Transport, block_offsets
 
 _BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
             RedOp.MIN: RedOp.MIN, RedOp.PRODUCT: RedOp.MIN, RedOp.BAND: RedOp.MIN, RedOp.BXOR: RedOp.BXOR}
 _SIGNATURE_OPS = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "reduce_scatter": 5,
-                  "all_to_all": 6, "barrier": 7}
+                  "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9, "all_to_all_v": 10}
 
 
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -46,6 +46,11 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]
             offset += t.numel()
 
     return buf, unpack
+
+
+def _bytes_of_bool(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Bool tensors travel as the uint8 bytes they are (no transport has a bool type)."""
+    return t.view(torch.uint8) if t is not None and t.dtype is torch.bool else t
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -172,6 +177,72 @@ class Collectives:
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Block ``q`` of ``input`` goes to rank ``q``; ``output`` block ``q`` comes from rank ``q``."""
         self._move("all_to_all", output, input)
+
+    def gather(self, outputs: list[torch.Tensor], input: torch.Tensor, root: int) -> None:
+        """The root's ``outputs`` (one per rank) receive every rank's ``input``; elsewhere
+        ``outputs`` is empty."""
+        src, _ = _flat(input)
+        n = src.numel()
+        self._agree("gather", src.dtype, n, root)
+        everyone = torch.empty(self.world_size * n, dtype=src.dtype) if self.rank == root else None
+        self.transport.gather(_bytes_of_bool(everyone), _bytes_of_bool(src), root)
+        if everyone is not None:
+            for out, block in zip(outputs, everyone.view(self.world_size, n)):
+                out.copy_(block.view_as(out))
+
+    def scatter(self, output: torch.Tensor, inputs: list[torch.Tensor], root: int) -> None:
+        """``output`` receives the root's ``inputs[rank]``; elsewhere ``inputs`` is empty."""
+        dst, unpack = _flat(output)
+        self._agree("scatter", dst.dtype, dst.numel(), root)
+        everything = torch.cat([t.reshape(-1) for t in inputs]) if self.rank == root else None
+        self.transport.scatter(_bytes_of_bool(dst), _bytes_of_bool(everything), root)
+        unpack()
+
+    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
+                     input_splits: list[int]) -> None:
+        """Block ``q`` of ``input`` (``input_splits[q]`` elements, in rank order) goes to rank
+        ``q``; ``output`` receives ``output_splits[q]`` elements from rank ``q``. Every rank's
+        splits are first gathered (one small all_gather) when the transport pads blocks, which
+        needs the largest, or when signatures are checked: a rank whose expectations differ from
+        what its peers send then fails the call on every rank, naming them, before any data moves."""
+        src, _ = _flat(input)
+        dst, unpack = _flat(output)
+        src, dst = _bytes_of_bool(src), _bytes_of_bool(dst)
+        self._agree("all_to_all_v", src.dtype, 0)
+        native = self.transport.uneven_all_to_all
+        largest = self._agreed_splits(input_splits, output_splits) if self._check or not native else None
+        if native:
+            self.transport.all_to_all_v(dst, output_splits, src, input_splits)
+        elif largest:  # pad every block to the largest any rank sends
+            sent = torch.empty(self.world_size * largest, dtype=src.dtype)
+            received = torch.empty_like(sent)
+            for block, start, count in zip(sent.view(self.world_size, largest), block_offsets(input_splits), input_splits):
+                block[:count].copy_(src[start : start + count])
+            self.transport.all_to_all(received, sent)
+            for block, start, count in zip(received.view(self.world_size, largest), block_offsets(output_splits),
+                                           output_splits):
+                dst[start : start + count].copy_(block[:count])
+        unpack()
+
+    def _agreed_splits(self, input_splits: list[int], output_splits: list[int]) -> int:
+        """Every rank's splits, gathered; raises CollectiveMismatchError on every rank (they all
+        see the same table) where a rank expects other sizes than its peers send. Returns the
+        largest block any rank sends."""
+        w = self.world_size
+        mine = torch.tensor(list(input_splits) + list(output_splits), dtype=torch.int64)
+        table = torch.empty(w * 2 * w, dtype=torch.int64)
+        self.transport.all_gather(table, mine)
+        rows = table.view(w, 2 * w).tolist()
+        wrong = [(p, q, rows[p][q], rows[q][w + p]) for p in range(w) for q in range(w) if rows[p][q] != rows[q][w + p]]
+        if wrong:
+            said = "; ".join(f"rank {p} sends {sends} elements to rank {q}, which expects {expects}"
+                             for p, q, sends, expects in wrong[:8])
+            raise CollectiveMismatchError(
+                f"{where(self.rank, w, 'all_to_all')} ranks disagree on the block sizes ({said}"
+                f"{'; ...' if len(wrong) > 8 else ''}). Rank q's output_split_sizes[p] must equal rank p's "
+                "input_split_sizes[q] (and list all_to_all's tensor sizes likewise)."
+            )
+        return max((max(row[:w], default=0) for row in rows), default=0)
 
     def barrier(self) -> None:
         self._agree("barrier", None, 0)

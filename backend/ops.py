@@ -70,7 +70,7 @@ COMBINE = {
 SUPPORTED_OPS = (
     "allreduce", "allreduce_coalesced", "broadcast", "allgather", "all_gather_single",
     "all_gather_single_coalesced", "allgather_coalesced", "reduce_scatter", "reduce_scatter_single",
-    "reduce_scatter_single_coalesced", "reduce", "barrier", "alltoall_base",
+    "reduce_scatter_single_coalesced", "reduce", "barrier", "alltoall_base", "alltoall", "gather", "scatter",
 )
 
 

@@ -344,19 +344,104 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     @_device_aware("all_to_all_single")
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        def check() -> None:
-            self._sized("all_to_all_single", output, input, 1)
-            n = self.size()
-            for name, splits in (("output_split_sizes", output_split_sizes), ("input_split_sizes", input_split_sizes)):
-                if splits and len(set(splits)) > 1:
-                    raise ValueError(f"{name}={list(splits)}: uneven splits are not supported; pass equal splits or none")
-            if input.shape[0] % n if input.dim() else True:
-                raise ValueError(f"the first dimension ({tuple(input.shape)}) must divide into {n} equal blocks")
+        op = "all_to_all_single"
+        n = self.size()
+        uneven = bool(output_split_sizes) or bool(input_split_sizes)
 
-        return self._run("all_to_all_single", [output, input], [output], check,
-                         lambda: self.collectives.all_to_all(output, input), lambda n: n.all_to_all(output, input))
+        def check() -> None:
+            if output.dtype != input.dtype:
+                raise ValueError(f"tensors differ in dtype: {ops.dtype_name(output.dtype)} and "
+                                 f"{ops.dtype_name(input.dtype)}; pass an output of the input's dtype")
+            if output.dim() == 0 or input.dim() == 0:
+                raise ValueError("expected tensors with at least one dimension (blocks are split along "
+                                 "the first), found a 0-dimensional tensor; reshape it with .view(-1)")
+            if output.shape[1:].numel() != input.shape[1:].numel():
+                raise ValueError(f"the input's rows ({tuple(input.shape)}) and the output's ({tuple(output.shape)}) "
+                                 "differ in size; blocks are rows of the first dimension, so every other "
+                                 "dimension must hold as many elements in both")
+            for name, splits, t in (("output_split_sizes", output_split_sizes, output),
+                                    ("input_split_sizes", input_split_sizes, input)):
+                _check_splits(name, splits, t, n)
+
+        body = nccl = None
+        if uneven:
+            def body() -> None:
+                row = input.shape[1:].numel()
+                outs = [c * row for c in (output_split_sizes or _equal(output.shape[0], n))]
+                ins = [c * row for c in (input_split_sizes or _equal(input.shape[0], n))]
+                self.collectives.all_to_all_v(output, outs, input, ins)
+        else:
+            def body() -> None:
+                self.collectives.all_to_all(output, input)
+
+            def nccl(path):
+                return path.all_to_all(output, input)
+        return self._run(op, [output, input], [output], check, body, nccl)
 
     all_to_all_single = alltoall_base
+
+    @_device_aware("all_to_all")
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        with self._preparing("all_to_all"):
+            outputs, inputs = list(output_tensors), list(input_tensors)
+
+        def check() -> None:
+            for name, tensors in (("output", outputs), ("input", inputs)):
+                if len(tensors) != self.size():
+                    raise ValueError(f"expected {self.size()} {name} tensors (one per rank), found {len(tensors)}")
+            dtypes = {t.dtype for t in outputs + inputs}
+            if len(dtypes) > 1:
+                raise ValueError(f"tensors differ in dtype ({', '.join(sorted(map(ops.dtype_name, dtypes)))}); "
+                                 "pass tensors of one dtype")
+
+        def body() -> None:
+            received = torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype)
+            sent = torch.cat([t.reshape(-1) for t in inputs])
+            self.collectives.all_to_all_v(received, [t.numel() for t in outputs], sent, [t.numel() for t in inputs])
+            for out, block in zip(outputs, received.split([t.numel() for t in outputs])):
+                out.copy_(block.view_as(out))
+
+        return self._run("all_to_all", outputs + inputs, outputs, check, body)
+
+    @_device_aware("gather")
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.GatherOptions()
+        with self._preparing("gather"):
+            inputs = _as_list(input_tensors)
+            outputs = list(_inner_list(output_tensors)) if output_tensors else []
+        root = opts.rootRank
+
+        def check() -> None:
+            self._root(root)
+            _one_tensor("gather", inputs)
+            if self.rank() == root:
+                self._same_blocks("gather", outputs, inputs[0], "output")
+            elif outputs:
+                raise ValueError(f"found {len(outputs)} output tensors on a rank other than the root "
+                                 f"({root}); pass gather_list only on the root")
+
+        return self._run("gather", inputs + outputs, outputs, check,
+                         lambda: self.collectives.gather(outputs, inputs[0], root))
+
+    @_device_aware("scatter")
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ScatterOptions()
+        with self._preparing("scatter"):
+            outputs = _as_list(output_tensors)
+            inputs = list(_inner_list(input_tensors)) if input_tensors else []
+        root = opts.rootRank
+
+        def check() -> None:
+            self._root(root)
+            _one_tensor("scatter", outputs)
+            if self.rank() == root:
+                self._same_blocks("scatter", inputs, outputs[0], "input")
+            elif inputs:
+                raise ValueError(f"found {len(inputs)} input tensors on a rank other than the root "
+                                 f"({root}); pass scatter_list only on the root")
+
+        return self._run("scatter", outputs + inputs, outputs, check,
+                         lambda: self.collectives.scatter(outputs[0], inputs, root))
 
     def barrier(self, opts=None):
         nccl = self._cuda.nccl if self._cuda is not None else None
@@ -381,14 +466,6 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def recv_anysource(self, *args, **kwargs):
         self._unsupported("recv_anysource")
 
-    def gather(self, *args, **kwargs):
-        self._unsupported("gather")
-
-    def scatter(self, *args, **kwargs):
-        self._unsupported("scatter")
-
-    def alltoall(self, *args, **kwargs):
-        self._unsupported("alltoall (list form)")
 
     # shape checks ------------------------------------------------------------------------------
     def _same_blocks(self, op: str, blocks: list[torch.Tensor], like: torch.Tensor, what: str) -> None:
@@ -478,6 +555,28 @@ def _inner_list(tensor_lists):
     if tensor_lists and isinstance(tensor_lists[0], (list, tuple)):
         return tensor_lists[0]
     return tensor_lists
+
+
+def _equal(rows: int, world_size: int) -> list[int]:
+    """Split sizes of ``rows`` in equal blocks, one per rank (what empty split sizes mean)."""
+    return [rows // world_size] * world_size
+
+
+def _check_splits(name: str, splits, tensor: torch.Tensor, world_size: int) -> None:
+    """Split sizes, as c10d takes them: none (equal blocks of the first dimension) or one
+    non-negative count of rows per rank, adding up to the first dimension."""
+    rows = tensor.shape[0]
+    if not splits:
+        if rows % world_size:
+            raise ValueError(f"{name} is empty, so the first dimension ({rows} rows of {tuple(tensor.shape)}) "
+                             f"must divide into {world_size} equal blocks; pass {name} for uneven blocks")
+        return
+    splits = list(splits)
+    if len(splits) != world_size or any(not isinstance(c, int) or c < 0 for c in splits):
+        raise ValueError(f"{name}={splits}: expected {world_size} non-negative row counts (one per rank)")
+    if sum(splits) != rows:
+        raise ValueError(f"{name}={splits} adds up to {sum(splits)} rows, but the tensor has {rows} "
+                         f"({tuple(tensor.shape)}); the counts must add up to its first dimension")
 
 
 def _one_tensor(op: str, tensors: list[torch.Tensor]) -> None:

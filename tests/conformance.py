@@ -155,6 +155,65 @@ def case_all_to_all(shape, dtype, rank, world):
     return _mismatch(out, torch.cat([seeded(shape, q * world + rank, dtype) for q in range(world)]))
 
 
+def case_gather(shape, dtype, rank, world, root):
+    mine = on_device(seeded(shape, rank, dtype))
+    outs = [empty(shape, dtype) for _ in range(world)] if rank == root else None
+    dist.gather(mine, outs, dst=root)
+    if rank == root:
+        return _mismatch(torch.cat(outs), torch.cat([seeded(shape, r, dtype) for r in range(world)]))
+    return _mismatch(mine, on_device(seeded(shape, rank, dtype)))  # the input is left as it was
+
+
+def case_scatter(shape, dtype, rank, world, root):
+    ins = [on_device(seeded(shape, root * world + q, dtype)) for q in range(world)] if rank == root else None
+    out = empty(shape, dtype)
+    dist.scatter(out, ins, src=root)
+    return _mismatch(out, seeded(shape, root * world + rank, dtype))
+
+
+def uneven_rows(sender: int, receiver: int, scale: int) -> int:
+    """Rows rank ``sender`` sends rank ``receiver`` in the uneven all_to_all cases: 0 to 3 x
+    ``scale``, different for each pair and direction (some blocks are empty)."""
+    return (2 * sender + receiver) % 4 * scale
+
+
+def case_all_to_all_uneven(dtype, rank, world, form, scale, width):
+    """Blocks of different sizes, as MoE token routing sends: all_to_all_single with split sizes,
+    or list all_to_all with tensors of different sizes."""
+    sent = [seeded((uneven_rows(rank, q, scale), width), rank * world + q, dtype) for q in range(world)]
+    want = [seeded((uneven_rows(q, rank, scale), width), q * world + rank, dtype) for q in range(world)]
+    if form == "list":
+        outs = [empty(tuple(t.shape), dtype) for t in want]
+        dist.all_to_all(outs, [on_device(t) for t in sent])
+        return _mismatch(torch.cat(outs), torch.cat(want))
+    out = empty((sum(t.shape[0] for t in want), width), dtype)
+    dist.all_to_all_single(out, on_device(torch.cat(sent)), output_split_sizes=[t.shape[0] for t in want],
+                           input_split_sizes=[t.shape[0] for t in sent])
+    return _mismatch(out, torch.cat(want))
+
+
+def case_objects(rank, world):
+    """The object collectives a validation loop uses: each pickles into byte tensors and calls
+    gather, scatter, all_gather or broadcast."""
+    mine = {"rank": rank, "loss": 1.5 * rank, "tokens": list(range(rank + 1))}
+    everyone = [{"rank": r, "loss": 1.5 * r, "tokens": list(range(r + 1))} for r in range(world)]
+    gathered = [None] * world if rank == world - 1 else None
+    dist.gather_object(mine, gathered, dst=world - 1)
+    if rank == world - 1 and gathered != everyone:
+        return f"gather_object gave {gathered}"
+    received = [None]
+    dist.scatter_object_list(received, everyone if rank == 0 else None, src=0)
+    if received[0] != everyone[rank]:
+        return f"scatter_object_list gave {received[0]}"
+    all_of_them = [None] * world
+    dist.all_gather_object(all_of_them, mine)
+    if all_of_them != everyone:
+        return f"all_gather_object gave {all_of_them}"
+    sent = [everyone if rank == 0 else None]
+    dist.broadcast_object_list(sent, src=0)
+    return None if sent[0] == everyone else f"broadcast_object_list gave {sent[0]}"
+
+
 def case_async_pipeline(rank, world):
     """Several async ops in flight at once complete in order with the right values."""
     tensors = [on_device(seeded((257,), rank, torch.float32) + k) for k in range(8)]
@@ -227,12 +286,21 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
                         yield "reduce_scatter", f"{form}-{redop}-{dn}-{sn}", case_reduce_scatter, dict(
                             shape=shape, dtype=dtype, redop=redop, form=form)
             yield "all_to_all", f"{dn}-{sn}", case_all_to_all, dict(shape=shape, dtype=dtype)
+            for root in sorted({0, world - 1}):
+                yield "gather", f"root{root}-{dn}-{sn}", case_gather, dict(shape=shape, dtype=dtype, root=root)
+                yield "scatter", f"root{root}-{dn}-{sn}", case_scatter, dict(shape=shape, dtype=dtype, root=root)
+        # small blocks, and blocks of up to 3 x 3000 rows of 33 (1 MiB of float32: several shm steps)
+        for scale, width in ((1, 5), (3000, 33)):
+            for form in ("single", "list"):
+                yield "all_to_all_uneven", f"{form}-{dn}-{scale}x{width}", case_all_to_all_uneven, dict(
+                    dtype=dtype, form=form, scale=scale, width=width)
         yield "all_reduce", f"async-sum-{dn}", case_all_reduce, dict(shape=(257,), dtype=dtype, redop="sum", async_op=True)
         yield "all_reduce", f"non_contiguous-{dn}", case_all_reduce, dict(
             shape=(1823, 781), dtype=dtype, redop="max", non_contiguous=True)
     for op in ("all_reduce_sum", "all_reduce_avg", "broadcast", "all_gather"):
         yield "autograd", f"leaf-{op}", case_autograd_leaf, dict(op=op)
     yield "async", "pipeline", case_async_pipeline, {}
+    yield "objects", "gather_scatter_all_gather_broadcast", case_objects, {}
     yield "barrier", "three", case_barrier, {}
     yield "subgroup", "odd_even", case_subgroup, {}
 

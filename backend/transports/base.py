@@ -10,6 +10,7 @@ into SUM (except the 16-bit AVGs a transport takes itself: ``reduce_scatters_16_
 from __future__ import annotations
 
 import abc
+import itertools
 
 import torch
 
@@ -56,6 +57,10 @@ class Transport(abc.ABC):
     role: str = ""
     """What this transport's steps are to the user's group (the hierarchical transport's parts:
     "within the host", "between hosts"), for error messages."""
+    uneven_all_to_all: bool = False
+    """True when the transport has ``all_to_all_v`` (blocks of any size, as MPI's alltoallv and
+    gloo's alltoall with split sizes). Without it the algorithms layer pads every block to the
+    largest one any rank sends and runs ``all_to_all``."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -103,6 +108,29 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None: ...
 
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
+        """``output`` (world_size * n,) on ``root`` receives every rank's ``input`` (n,) in rank
+        order; ``output`` is None on the other ranks. This default is an all_gather whose result
+        only the root keeps: every rank receives what the root does."""
+        everyone = output if output is not None else torch.empty(self.world_size * input.numel(), dtype=input.dtype)
+        self.all_gather(everyone, input)
+
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
+        """``output`` (n,) receives block ``rank`` of the root's ``input`` (world_size * n,);
+        ``input`` is None on the other ranks. This default broadcasts the root's whole input,
+        of which each rank keeps its block."""
+        n = output.numel()
+        everything = input if self.rank == root else torch.empty(self.world_size * n, dtype=output.dtype)
+        self.broadcast(everything, root)
+        output.copy_(everything[self.rank * n : (self.rank + 1) * n])
+
+    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
+                     input_splits: list[int]) -> None:
+        """Block ``q`` of ``input`` (``input_splits[q]`` elements) goes to rank ``q``, whose
+        ``output_splits[rank]`` says as much; blocks lie in rank order. Only where
+        ``uneven_all_to_all`` is True."""
+        raise NotImplementedError(f"the {self.name} transport has no uneven all_to_all")
+
     def signature_check(self, signature: list[int]) -> list[list[int]]:
         """Every rank's ``signature`` (op, dtype, numel, arg), gathered with the transport itself."""
         mine = torch.tensor(signature, dtype=torch.int64)
@@ -120,6 +148,11 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         """Release resources. Idempotent."""
+
+
+def block_offsets(counts: list[int]) -> list[int]:
+    """Where each of consecutive blocks of ``counts`` elements starts."""
+    return [0, *itertools.accumulate(counts)][: len(counts)]
 
 
 def dtype_code(dtype: torch.dtype) -> int:

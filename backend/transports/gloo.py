@@ -39,6 +39,7 @@ class GlooTransport(Transport):
     # can cross as they are and be summed (and an AVG divided) in float32: the widened float32
     # blocks it received before gave the same bits in twice the bytes
     reduce_scatters_16_bit = frozenset(LOW_PRECISION)
+    uneven_all_to_all = True  # gloo's alltoall takes split sizes
 
     def __init__(self, store, rank: int, world_size: int, timeout) -> None:
         super().__init__(rank, world_size)
@@ -159,6 +160,11 @@ class GlooTransport(Transport):
     def all_to_all_async(self, output: torch.Tensor, input: torch.Tensor):
         work = self._pg.alltoall_base(output, input, [], [], dist.AllToAllOptions())
         return lambda: self._run("all_to_all", work)
+
+    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
+                     input_splits: list[int]) -> None:
+        work = self._pg.alltoall_base(output, input, list(output_splits), list(input_splits), dist.AllToAllOptions())
+        self._run("all_to_all", work)
 
     def barrier(self) -> None:
         self._run("barrier", self._pg.barrier(dist.BarrierOptions()))

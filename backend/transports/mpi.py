@@ -14,7 +14,7 @@ import torch
 
 from ..errors import PeerFailureError, where
 from ..ops import RedOp
-from .base import Transport
+from .base import Transport, block_offsets
 from .mpi_environment import cma_requested_where_blocked, import_mpi
 from .refusals import POLL_S
 
@@ -58,6 +58,7 @@ def _unaliased(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 class MPITransport(Transport):
     name = "mpi"
+    uneven_all_to_all = True  # MPI_Alltoallv
 
     def __init__(self, rank: int, world_size: int, global_ranks: list[int] | None, timeout) -> None:
         super().__init__(rank, world_size)
@@ -157,6 +158,22 @@ class MPITransport(Transport):
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self._run("all_to_all", lambda: self.comm.Ialltoall(_buf(_unaliased(input, output)), _buf(output)))
+
+    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
+                     input_splits: list[int]) -> None:
+        send = [_buf(_unaliased(input, output)), (list(input_splits), block_offsets(input_splits))]
+        receive = [_buf(output), (list(output_splits), block_offsets(output_splits))]
+        self._run("all_to_all", lambda: self.comm.Ialltoallv(send, receive))
+
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
+        n = input.numel()
+        in_place = self.rank == root and n and input.data_ptr() == output[root * n :].data_ptr()
+        send = self._MPI.IN_PLACE if in_place else _buf(input if output is None else _unaliased(input, output))
+        self._run("gather", lambda: self.comm.Igather(send, None if output is None else _buf(output), root=root))
+
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
+        send = None if input is None else _buf(_unaliased(input, output))
+        self._run("scatter", lambda: self.comm.Iscatter(send, _buf(output), root=root))
 
     def barrier(self) -> None:
         self._run("barrier", lambda: self.comm.Ibarrier())

@@ -24,7 +24,7 @@ from .shm_segment import ShmSegment
 ONE_SHOT_BYTES = 16 << 10  # all_reduce below this size uses one barrier (see all_reduce)
 
 _OP_CODES = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "reduce_scatter": 5,
-             "all_to_all": 6, "barrier": 7}
+             "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9}
 _OP_NAMES = {code: name for name, code in _OP_CODES.items()}
 
 
@@ -192,6 +192,36 @@ class ShmTransport(Transport):
             self._sync(header if start == 0 else None)
             for q in range(w):
                 output[q * n + start : q * n + stop].copy_(self.seg.slot(self.step, q, input.dtype)[r * k : (r + 1) * k])
+
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
+        # all_gather's steps, with only the root reading: the others write and pass the barrier
+        n = input.numel()
+        header = self._begin("gather", input.dtype, n, root)
+        for start, stop in self._steps(n, input.element_size()):
+            if self.rank != root:
+                self.seg.slot(self.step, self.rank, input.dtype)[: stop - start].copy_(input[start:stop])
+            self._sync(header if start == 0 else None)
+            if self.rank == root:
+                for q in range(self.world_size):
+                    src = input[start:stop] if q == root else self.seg.slot(self.step, q, input.dtype)[: stop - start]
+                    output[q * n + start : q * n + stop].copy_(src)
+
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
+        # the root stages one k-element piece of every peer's block per step, as all_to_all does
+        w, r, n = self.world_size, self.rank, output.numel()
+        header = self._begin("scatter", output.dtype, n, root)
+        for start, stop in self._steps(n, output.element_size() * w):
+            k = stop - start
+            if r == root:
+                staged = self.seg.slot(self.step, r, output.dtype)
+                for q in range(w):
+                    if q != r:
+                        staged[q * k : (q + 1) * k].copy_(input[q * n + start : q * n + stop])
+            self._sync(header if start == 0 else None)
+            if r == root:
+                output[start:stop].copy_(input[r * n + start : r * n + stop])
+            else:
+                output[start:stop].copy_(self.seg.slot(self.step, root, output.dtype)[r * k : (r + 1) * k])
 
     def barrier(self) -> None:
         self._sync(self._begin("barrier", None, 0, 0))
