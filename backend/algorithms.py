@@ -199,19 +199,20 @@ class Collectives:
         unpack()
 
     def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
-                     input_splits: list[int]) -> None:
-        """Block ``q`` of ``input`` (``input_splits[q]`` elements, in rank order) goes to rank
-        ``q``; ``output`` receives ``output_splits[q]`` elements from rank ``q``. Every rank's
-        splits are first gathered (one small all_gather) when the transport pads blocks, which
-        needs the largest, or when signatures are checked: a rank whose expectations differ from
-        what its peers send then fails the call on every rank, naming them, before any data moves."""
+                     input_splits: list[int], row: int = 1) -> None:
+        """Block ``q`` of ``input`` (``input_splits[q]`` rows of ``row`` elements, in rank order)
+        goes to rank ``q``; ``output`` receives ``output_splits[q]`` rows from rank ``q``. Every rank's
+        splits are first gathered (one small all_gather, always): a rank whose expectations differ
+        from what its peers send then fails the call on every rank, naming them, before any data
+        moves. Sizes change from call to call here (MoE routing), and without the check MPI
+        returned partly filled outputs without an error; the padding needs the largest block too."""
         src, _ = _flat(input)
         dst, unpack = _flat(output)
         src, dst = _bytes_of_bool(src), _bytes_of_bool(dst)
         self._agree("all_to_all_v", src.dtype, 0)
-        native = self.transport.uneven_all_to_all
-        largest = self._agreed_splits(input_splits, output_splits) if self._check or not native else None
-        if native:
+        largest = self._agreed_splits(input_splits, output_splits, "rows" if row > 1 else "elements") * row
+        input_splits, output_splits = [c * row for c in input_splits], [c * row for c in output_splits]
+        if self.transport.uneven_all_to_all:
             self.transport.all_to_all_v(dst, output_splits, src, input_splits)
         elif largest:  # pad every block to the largest any rank sends
             sent = torch.empty(self.world_size * largest, dtype=src.dtype)
@@ -224,7 +225,7 @@ class Collectives:
                 dst[start : start + count].copy_(block[:count])
         unpack()
 
-    def _agreed_splits(self, input_splits: list[int], output_splits: list[int]) -> int:
+    def _agreed_splits(self, input_splits: list[int], output_splits: list[int], unit: str) -> int:
         """Every rank's splits, gathered; raises CollectiveMismatchError on every rank (they all
         see the same table) where a rank expects other sizes than its peers send. Returns the
         largest block any rank sends."""
@@ -235,10 +236,10 @@ class Collectives:
         rows = table.view(w, 2 * w).tolist()
         wrong = [(p, q, rows[p][q], rows[q][w + p]) for p in range(w) for q in range(w) if rows[p][q] != rows[q][w + p]]
         if wrong:
-            said = "; ".join(f"rank {p} sends {sends} elements to rank {q}, which expects {expects}"
+            said = "; ".join(f"rank {p} sends {sends} {unit} to rank {q}, which expects {expects}"
                              for p, q, sends, expects in wrong[:8])
             raise CollectiveMismatchError(
-                f"{where(self.rank, w, 'all_to_all')} ranks disagree on the block sizes ({said}"
+                f"{where(self.rank, w, self.transport.running or 'all_to_all')} ranks disagree on the block sizes ({said}"
                 f"{'; ...' if len(wrong) > 8 else ''}). Rank q's output_split_sizes[p] must equal rank p's "
                 "input_split_sizes[q] (and list all_to_all's tensor sizes likewise)."
             )

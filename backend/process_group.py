@@ -366,10 +366,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         body = nccl = None
         if uneven:
             def body() -> None:
-                row = input.shape[1:].numel()
-                outs = [c * row for c in (output_split_sizes or _equal(output.shape[0], n))]
-                ins = [c * row for c in (input_split_sizes or _equal(input.shape[0], n))]
-                self.collectives.all_to_all_v(output, outs, input, ins)
+                self.collectives.all_to_all_v(output, list(output_split_sizes) or _equal(output.shape[0], n), input,
+                                              list(input_split_sizes) or _equal(input.shape[0], n),
+                                              input.shape[1:].numel())
         else:
             def body() -> None:
                 self.collectives.all_to_all(output, input)

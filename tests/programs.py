@@ -45,6 +45,9 @@ def bad_input() -> dict:
         "list_count": lambda: dist.all_gather([torch.empty(3)], torch.ones(3)),
         "root": lambda: dist.broadcast(torch.ones(3), src=dist.get_world_size() + 4),
         "send": lambda: dist.send(torch.ones(3), dst=(dist.get_rank() + 1) % dist.get_world_size()),
+        "split_sum": lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), input_split_sizes=[1, 2]),
+        "split_count": lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), output_split_sizes=[4]),
+        "all_to_all_count": lambda: dist.all_to_all([torch.empty(3)], [torch.ones(3)]),
     }
     report = {}
     for name, fn in cases.items():
@@ -64,6 +67,17 @@ def mismatch(kind: str) -> dict:
         "op": lambda: dist.all_reduce(torch.ones(10)) if rank == 0 else dist.broadcast(torch.ones(10), src=0),
     }
     return _error_of(calls[kind])
+
+
+def uneven_splits_disagree() -> dict:
+    """Rank 0 expects other block sizes than rank 1 sends it (an uneven all_to_all_single):
+    every rank must raise saying which, before any data moves, on every transport."""
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    output = torch.empty(4 if rank == 0 else 3)
+    return _error_of(lambda: dist.all_to_all_single(
+        output, torch.ones(3 + rank), output_split_sizes=[1, 3] if rank == 0 else [2, 1],
+        input_split_sizes=[1, 2] if rank == 0 else [2, 2]))
 
 
 def _reduce_scatter(dtype: torch.dtype = torch.float32) -> None:

@@ -35,6 +35,9 @@ EXPECTED_WORDS = {
     "list_count": ["expected 2", "found 1"],
     "root": ["root rank 6", "0..1"],
     "send": ["send is not supported", "allreduce"],
+    "split_sum": ["input_split_sizes=[1, 2] adds up to 3 rows", "has 4"],
+    "split_count": ["output_split_sizes=[4]", "expected 2 non-negative row counts"],
+    "all_to_all_count": ["expected 2 output tensors", "found 1"],
 }
 
 
@@ -62,6 +65,23 @@ def test_mismatched_calls_raise_on_every_rank(transport, kind):
         assert error["backend_error"], "must be a torch DistBackendError"
         assert "rank 0:" in error["message"] and "rank 1:" in error["message"], error["message"]
         assert error["seconds"] < 30, error
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo", "mpi"])
+def test_uneven_all_to_all_sizes_that_disagree_raise_on_every_rank(transport):
+    """Checked always (not only with SMDDP_CHECK_COLLECTIVES): MPI fills the outputs partly and
+    raises nothing when the sizes disagree, and gloo notices only some disagreements."""
+    env = {"SMDDP_TRANSPORT": transport}
+    if transport == "mpi":
+        if harness.mpiexec() is None:
+            pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+        results = harness.launch_mpi("tests.programs:uneven_splits_disagree", 2, env=env)
+    else:
+        results = harness.launch("tests.programs:uneven_splits_disagree", 2, env=env)
+    for rank, error in enumerate(harness.values(results)):
+        assert error["type"] == "CollectiveMismatchError", (rank, error)
+        assert "rank 1 sends 2 elements to rank 0, which expects 3" in error["message"], error["message"]
+        assert f"rank {rank}/2" in error["message"] and "all_to_all_single" in error["message"], error["message"]
 
 
 REFUSAL_LAUNCHES = {  # transport: (ranks, launch arguments)
