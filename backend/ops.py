@@ -67,12 +67,6 @@ COMBINE = {
     RedOp.BXOR: torch.bitwise_xor,
 }
 
-SUPPORTED_OPS = (
-    "allreduce", "allreduce_coalesced", "broadcast", "allgather", "all_gather_single",
-    "all_gather_single_coalesced", "allgather_coalesced", "reduce_scatter", "reduce_scatter_single",
-    "reduce_scatter_single_coalesced", "reduce", "barrier", "alltoall_base", "alltoall", "gather", "scatter",
-)
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")

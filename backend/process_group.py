@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import ops
 from .algorithms import Collectives
 from .errors import SMDDPError, where
+from .p2p import PeerLinks
 from .transports import create_transport
 from .work import CommThread, SMDDPWork
 
@@ -105,6 +106,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._closed = False
         self._store = store
         self._cuda = None  # CudaPaths, made on the first call with CUDA tensors
+        self._peers: PeerLinks | None = None  # send/recv links, made on the first of them
         if rank == 0:
             members = "all ranks" if global_ranks is None else f"global ranks {list(global_ranks)}"
             # the default group's choice always shows; subgroups' in debug mode
@@ -449,21 +451,44 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return nccl.barrier()
         return self._run("barrier", [], [], lambda: None, self.collectives.barrier)
 
-    # not supported: each says so and lists what is --------------------------------------------
-    def _unsupported(self, op: str):
+    def recv_anysource(self, *args, **kwargs):
         raise RuntimeError(
-            f"{where(self.rank(), self.size(), op)} {op} is not supported by the smddp backend; supported: "
-            f"{', '.join(ops.SUPPORTED_OPS)}. Use a gloo group (dist.new_group(backend='gloo')) for it."
+            f"{where(self.rank(), self.size(), 'recv')} recv from any source (src=None) is not supported by the "
+            "smddp backend: each pair of ranks has a link of its own (backend/p2p.py). Pass src=<rank>."
         )
 
-    def send(self, *args, **kwargs):
-        self._unsupported("send")
+    # point to point ------------------------------------------------------------------------------
+    @_device_aware("send")
+    def send(self, tensors, dstRank, tag=0):
+        return self._point_to_point("send", tensors, dstRank, tag)
 
-    def recv(self, *args, **kwargs):
-        self._unsupported("recv")
+    @_device_aware("recv")
+    def recv(self, tensors, srcRank, tag=0):
+        return self._point_to_point("recv", tensors, srcRank, tag)
 
-    def recv_anysource(self, *args, **kwargs):
-        self._unsupported("recv_anysource")
+    def _point_to_point(self, kind: str, tensors, peer: int, tag: int):
+        """A send or recv on the pair's own link (p2p.py): not numbered among the collectives,
+        which every rank makes, so a refusal here is this rank's alone."""
+        tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+        try:
+            self._check_usable(kind)
+            _one_tensor(kind, tensors)
+            self._check_tensor(kind, tensors[0])
+            if not 0 <= peer < self.size() or peer == self.rank():
+                raise ValueError(f"peer rank {peer} is not another rank of this group of {self.size()} "
+                                 f"(0..{self.size() - 1}, not this rank, {self.rank()})")
+            if not isinstance(tag, int) or tag < 0:
+                raise ValueError(f"tag {tag!r} must be a non-negative int")
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"{where(self.rank(), self.size(), kind)} {exc}") from None
+        if tensors[0].is_cuda:  # through host memory (the route stages the call)
+            from .cuda.nccl_path import NeedsStaging
+
+            raise NeedsStaging(kind)
+        if self._peers is None:
+            self._peers = PeerLinks(self._store, self.rank(), self.timeout)
+        describe = f"{where(self.rank(), self.size(), kind)} {'to' if kind == 'send' else 'from'} rank {peer} (tag {tag})"
+        return self._peers.start(kind, tensors[0], peer, tag, describe)
 
 
     # shape checks ------------------------------------------------------------------------------
@@ -517,6 +542,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if self._cuda is not None:
             self._cuda.close(abort)
         self._comm.stop()
+        if self._peers is not None:
+            self._peers.close()
         self.transport.close()
         self.collectives.scratch.release()
 

@@ -44,7 +44,8 @@ def bad_input() -> dict:
         "scatter_size": lambda: dist.reduce_scatter_tensor(torch.empty(3), torch.ones(5)),
         "list_count": lambda: dist.all_gather([torch.empty(3)], torch.ones(3)),
         "root": lambda: dist.broadcast(torch.ones(3), src=dist.get_world_size() + 4),
-        "send": lambda: dist.send(torch.ones(3), dst=(dist.get_rank() + 1) % dist.get_world_size()),
+        "recv_any_source": lambda: dist.recv(torch.ones(3)),
+        "send_tag": lambda: dist.send(torch.ones(3), dst=(dist.get_rank() + 1) % dist.get_world_size(), tag=-1),
         "split_sum": lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), input_split_sizes=[1, 2]),
         "split_count": lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), output_split_sizes=[4]),
         "all_to_all_count": lambda: dist.all_to_all([torch.empty(3)], [torch.ones(3)]),
@@ -636,3 +637,82 @@ def soak(rounds: int = 1200, checkpoints: int = 10, compare_from: int = 4) -> di
               for d in sorted(diffs, key=lambda d: -d.count_diff)[:3]]
     dist.destroy_process_group()
     return {"heap": heap, "resident": resident, "wrong": wrong[:5], "growth": growth}
+
+
+def point_to_point() -> dict:
+    """send/recv as pipelines and ring exchanges use them; returns what went wrong, by case."""
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    after, before = (rank + 1) % world, (rank - 1) % world
+    problems = {}
+
+    def check(case: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            problems[case] = f"got {got.flatten()[:6].tolist()}, want {want.flatten()[:6].tolist()}"
+
+    # a ring through batch_isend_irecv: every rank posts a send before its peer posts the recv,
+    # and each pair's link is made while the others are being made
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        sent = (torch.arange(1000) * (rank + 1) % 7).to(dtype)
+        got = torch.empty(1000, dtype=dtype)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, after), dist.P2POp(dist.irecv, got, before)])
+        for w in works:
+            w.wait()
+        check(f"ring-{dtype}", got, (torch.arange(1000) * (before + 1) % 7).to(dtype))
+    # a pipeline: stage r receives from r-1, adds, sends to r+1; several messages in order
+    for step in range(5):
+        x = torch.full((300, 7), float(step))
+        if rank > 0:
+            dist.recv(x, src=rank - 1)
+        x += 1
+        if rank < world - 1:
+            dist.send(x, dst=rank + 1)
+        elif rank == world - 1:
+            check(f"pipeline-{step}", x, torch.full((300, 7), float(step + world)))
+    # tags keep messages apart: posted in one order, received in the other
+    if world >= 2 and rank in (0, 1):
+        peer = 1 - rank
+        if rank == 0:
+            a, b = dist.isend(torch.full((5,), 1.0), peer, tag=1), dist.isend(torch.full((5,), 2.0), peer, tag=2)
+            a.wait(), b.wait()
+        else:
+            two, one = torch.empty(5), torch.empty(5)
+            w2 = dist.irecv(two, peer, tag=2)
+            w1 = dist.irecv(one, peer, tag=1)
+            w2.wait(), w1.wait()
+            check("tags", torch.cat([one, two]), torch.cat([torch.full((5,), 1.0), torch.full((5,), 2.0)]))
+        # into a non-contiguous tensor, and through a future
+        if rank == 0:
+            dist.send(torch.arange(12.0).view(3, 4), dst=1, tag=3)
+        else:
+            target = torch.zeros(4, 3).t()
+            fut = dist.irecv(target, 0, tag=3).get_future()
+            value = fut.wait()[0]
+            check("non_contiguous", target, torch.arange(12.0).view(3, 4))
+            check("future", value, torch.arange(12.0).view(3, 4))
+    # collectives go on between them, on every transport
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    check("collective_after", t, torch.full((3,), float(world)))
+    dist.destroy_process_group()
+    return problems
+
+
+def point_to_point_errors() -> dict:
+    """Bad peers and tags raise on the calling rank; a recv whose sender never comes raises at
+    the group's timeout (3 s here), naming the peer and tag; collectives go on afterwards."""
+    smddp_lite.init(timeout=timedelta(seconds=3))
+    rank = dist.get_rank()
+    report = {
+        "outside": _error_of(lambda: dist.send(torch.ones(3), dst=5)),
+        "tag": _error_of(lambda: dist.recv(torch.ones(3), src=1 - rank, tag=-2)),
+        "any_source": _error_of(lambda: dist.recv(torch.ones(3))),
+    }
+    started = time.monotonic()
+    report["never_sent"] = _error_of(lambda: dist.recv(torch.ones(3), src=1 - rank, tag=9))
+    report["never_sent"]["seconds"] = time.monotonic() - started
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    report["usable_after"] = t.tolist() == [2.0, 2.0, 2.0]
+    dist.destroy_process_group()
+    return report

@@ -1,0 +1,54 @@
+"""send / recv (backend/p2p.py): real ranks on every transport, against the values they sent."""
+
+from __future__ import annotations
+
+import pytest
+
+from . import harness
+
+LAUNCHES = {  # name: (ranks, launch arguments)
+    "shm-2": (2, {"env": {"SMDDP_TRANSPORT": "shm"}}),
+    "shm-3": (3, {"env": {"SMDDP_TRANSPORT": "shm"}}),  # a ring of three: links made concurrently
+    "gloo-4": (4, {"env": {"SMDDP_TRANSPORT": "gloo"}}),
+    "hierarchical-2x2": (4, {"env": {"SMDDP_ALGORITHM": "hierarchical"}, "hosts_of": 2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHES))
+def test_send_recv_deliver_in_order_by_tag(name):
+    ranks, kwargs = LAUNCHES[name]
+    results = harness.launch("tests.programs:point_to_point", ranks, timeout=180, **kwargs)
+    for rank, problems in enumerate(harness.values(results)):
+        assert problems == {}, f"rank {rank}: {problems}"
+
+
+@pytest.mark.mpi
+def test_send_recv_under_mpiexec():
+    if harness.mpiexec() is None:
+        pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+    results = harness.launch_mpi("tests.programs:point_to_point", 3, env={"SMDDP_TRANSPORT": "mpi"}, timeout=180)
+    for rank, problems in enumerate(harness.values(results)):
+        assert problems == {}, f"rank {rank}: {problems}"
+
+
+EXPECTED = {
+    "outside": ["peer rank 5", "0..1"],
+    "tag": ["tag -2", "non-negative"],
+    "any_source": ["any source", "src="],
+    "never_sent": ["from rank", "tag 9", "3 s"],
+}
+
+
+def test_bad_peers_raise_and_a_missing_sender_times_out():
+    """(A send to this very rank torch refuses itself, before the backend sees it.)"""
+    reports = harness.values(harness.launch("tests.programs:point_to_point_errors", 2, timeout=120))
+    for rank, report in enumerate(reports):
+        for case, words in EXPECTED.items():
+            error = report[case]
+            assert error["type"] is not None, f"rank {rank} {case}: nothing raised"
+            for word in words:
+                assert word in error["message"], f"rank {rank} {case}: {word!r} not in {error['message']!r}"
+            assert f"rank {rank}/2" in error["message"], error["message"]
+        assert 2.5 < report["never_sent"]["seconds"] < 15, report["never_sent"]
+        assert report["never_sent"]["backend_error"], "a timed-out recv must be a DistBackendError"
+        assert report["usable_after"]
