@@ -34,9 +34,10 @@ try:
 except Exception as exc:  # any failure matters only when "smddp" is requested
     smddp_lite, SMDDP_IMPORT_ERROR = None, exc
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
+       "sendrecv")
 REDUCING_OPS = {"all_reduce", "reduce_scatter", "reduce"}
-ROOTED_OPS = {"broadcast", "reduce"}
+ROOTED_OPS = {"broadcast", "reduce", "gather", "scatter"}
 DTYPES = {  # --dtype: (torch dtype, nccl-tests type name)
     "float32": (torch.float32, "float"), "float16": (torch.float16, "half"),
     "bfloat16": (torch.bfloat16, "bfloat16"), "float64": (torch.float64, "double"),
@@ -217,6 +218,30 @@ def build_case(op, count, in_place, job, group):
         out = inp.chunk(n)[rank] if in_place else new(count // n)
         run = lambda: REDUCE_SCATTER(out, inp, op=redop, group=group)
         return Case(run, lambda: load(inp, rank), out)
+    # the others have no in-place form in torch's API, so both columns time the same call on
+    # dedicated buffers: two independent measurements. Sizes are the whole message (nccl-tests):
+    # gather's output, scatter's input, every block of all_to_all; sendrecv sends all of it.
+    k, root = count // n, job.root
+    if op == "gather":
+        inp, out = new(k), new(count)
+        blocks = list(out.chunk(n)) if rank == root else None
+        return Case(lambda: dist.gather(inp, blocks, dst=root, group=group), lambda: load(inp, rank), out)
+    if op == "scatter":
+        inp, out = new(count), new(k)
+        blocks = list(inp.chunk(n)) if rank == root else None
+        return Case(lambda: dist.scatter(out, blocks, src=root, group=group), lambda: load(inp, root), out)
+    if op == "all_to_all":
+        inp, out = new(count), new(count)
+        return Case(lambda: dist.all_to_all_single(out, inp, group=group), lambda: load(inp, rank), out)
+    if op == "sendrecv":  # a ring: each rank sends to the next and receives from the one before
+        inp, out = new(count), new(count)
+        after, before = (rank + 1) % n, (rank - 1) % n
+
+        def ring():
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, after, group),
+                                                dist.P2POp(dist.irecv, out, before, group)]):
+                work.wait()
+        return Case(ring, lambda: load(inp, rank), out)
     # all_reduce, broadcast and reduce only have an in-place torch API, so both columns
     # time the same call on a dedicated buffer: two independent measurements.
     buf = new(count)
@@ -238,8 +263,17 @@ def expected_result(op, count, job):
         return pattern(job.root, 0, count, prod)
     if op == "all_gather":
         return torch.cat([pattern(r, 0, count // n, prod) for r in range(n)])
-    if op == "reduce" and job.rank != job.root:
+    if op in ("reduce", "gather") and job.rank != job.root:
         return None
+    k = count // n
+    if op == "gather":
+        return torch.cat([pattern(r, 0, k, prod) for r in range(n)])
+    if op == "scatter":
+        return pattern(job.root, job.rank * k, k, prod)
+    if op == "all_to_all":  # block q comes from rank q's block of this rank
+        return torch.cat([pattern(q, job.rank * k, k, prod) for q in range(n)])
+    if op == "sendrecv":
+        return pattern((job.rank - 1) % n, 0, count, prod)
     start, length = (job.rank * (count // n), count // n) if op == "reduce_scatter" else (0, count)
     inputs = (pattern(r, start, length, prod) for r in range(n))
     total = functools.reduce(COMBINE[job.redop], inputs)
@@ -291,8 +325,8 @@ def measure(case, expected, job, group, iters):
 
 def bus_factor(op, n):
     """nccl-tests: busbw = algbw * factor is comparable to the link speed."""
-    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-            "reduce_scatter": (n - 1) / n}.get(op, 1.0)
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "gather": (n - 1) / n, "scatter": (n - 1) / n, "all_to_all": (n - 1) / n}.get(op, 1.0)
 
 
 def make_row(op, size, backend, results, job):
@@ -371,7 +405,7 @@ def ratio_lines(per_size, labels):
 
 
 def sizes_to_run(args, job):
-    """min..max by step factor, rounded down so all_gather/reduce_scatter split evenly."""
+    """min..max by step factor, rounded down so that blocks (all_gather, gather, ...) split evenly."""
     unit, size, sizes = job.dtype.itemsize * job.world, args.min_bytes, []
     while size <= args.max_bytes:
         if size >= unit and size // unit * unit not in sizes:
