@@ -48,6 +48,24 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]
     return buf, unpack
 
 
+def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view of ``tensors`` when they lie one after another in one piece of memory (the
+    blocks of one tensor, ``list(out.chunk(world_size))``), else None. A gather or scatter then
+    moves them where they are: a fresh buffer as large as all of them, as before, page-faulted
+    on every call, and scatter ran at 0.43x gloo's speed at 64 MiB (2 ranks)."""
+    first = tensors[0] if tensors else None
+    if first is None or not all(t.is_contiguous() and t.dtype == first.dtype for t in tensors):
+        return None
+    size, start = first.element_size(), first.data_ptr()
+    at = start
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.data_ptr() != at:
+            return None
+        at += t.numel() * size
+    total = sum(t.numel() for t in tensors)
+    return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), first.storage_offset(), (total,))
+
+
 def _bytes_of_bool(t: torch.Tensor | None) -> torch.Tensor | None:
     """Bool tensors travel as the uint8 bytes they are (no transport has a bool type)."""
     return t.view(torch.uint8) if t is not None and t.dtype is torch.bool else t
@@ -184,9 +202,11 @@ class Collectives:
         src, _ = _flat(input)
         n = src.numel()
         self._agree("gather", src.dtype, n, root)
-        everyone = torch.empty(self.world_size * n, dtype=src.dtype) if self.rank == root else None
+        everyone = adjacent = _adjacent(outputs) if self.rank == root else None
+        if self.rank == root and everyone is None:
+            everyone = torch.empty(self.world_size * n, dtype=src.dtype)
         self.transport.gather(_bytes_of_bool(everyone), _bytes_of_bool(src), root)
-        if everyone is not None:
+        if everyone is not None and adjacent is None:
             for out, block in zip(outputs, everyone.view(self.world_size, n)):
                 out.copy_(block.view_as(out))
 
@@ -194,7 +214,11 @@ class Collectives:
         """``output`` receives the root's ``inputs[rank]``; elsewhere ``inputs`` is empty."""
         dst, unpack = _flat(output)
         self._agree("scatter", dst.dtype, dst.numel(), root)
-        everything = torch.cat([t.reshape(-1) for t in inputs]) if self.rank == root else None
+        everything = None
+        if self.rank == root:
+            everything = _adjacent(inputs)
+            if everything is None:
+                everything = torch.cat([t.reshape(-1) for t in inputs])
         self.transport.scatter(_bytes_of_bool(dst), _bytes_of_bool(everything), root)
         unpack()
 

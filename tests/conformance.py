@@ -155,17 +155,29 @@ def case_all_to_all(shape, dtype, rank, world):
     return _mismatch(out, torch.cat([seeded(shape, q * world + rank, dtype) for q in range(world)]))
 
 
-def case_gather(shape, dtype, rank, world, root):
+def _blocks(shape, dtype, world, adjacent):
+    """``world`` tensors of ``shape``: the blocks of one tensor (which gather and scatter move in
+    place), or tensors of their own."""
+    if adjacent:
+        return list(empty((world * shape[0],) + tuple(shape[1:]), dtype).chunk(world))
+    return [empty(shape, dtype) for _ in range(world)]
+
+
+def case_gather(shape, dtype, rank, world, root, adjacent):
     mine = on_device(seeded(shape, rank, dtype))
-    outs = [empty(shape, dtype) for _ in range(world)] if rank == root else None
+    outs = _blocks(shape, dtype, world, adjacent) if rank == root else None
     dist.gather(mine, outs, dst=root)
     if rank == root:
         return _mismatch(torch.cat(outs), torch.cat([seeded(shape, r, dtype) for r in range(world)]))
     return _mismatch(mine, on_device(seeded(shape, rank, dtype)))  # the input is left as it was
 
 
-def case_scatter(shape, dtype, rank, world, root):
-    ins = [on_device(seeded(shape, root * world + q, dtype)) for q in range(world)] if rank == root else None
+def case_scatter(shape, dtype, rank, world, root, adjacent):
+    ins = None
+    if rank == root:
+        ins = _blocks(shape, dtype, world, adjacent)
+        for q, block in enumerate(ins):
+            block.copy_(seeded(shape, root * world + q, dtype))
     out = empty(shape, dtype)
     dist.scatter(out, ins, src=root)
     return _mismatch(out, seeded(shape, root * world + rank, dtype))
@@ -287,8 +299,12 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
                             shape=shape, dtype=dtype, redop=redop, form=form)
             yield "all_to_all", f"{dn}-{sn}", case_all_to_all, dict(shape=shape, dtype=dtype)
             for root in sorted({0, world - 1}):
-                yield "gather", f"root{root}-{dn}-{sn}", case_gather, dict(shape=shape, dtype=dtype, root=root)
-                yield "scatter", f"root{root}-{dn}-{sn}", case_scatter, dict(shape=shape, dtype=dtype, root=root)
+                for adjacent in (False, True):
+                    kind = "blocks_of_one" if adjacent else "separate"
+                    yield "gather", f"root{root}-{kind}-{dn}-{sn}", case_gather, dict(
+                        shape=shape, dtype=dtype, root=root, adjacent=adjacent)
+                    yield "scatter", f"root{root}-{kind}-{dn}-{sn}", case_scatter, dict(
+                        shape=shape, dtype=dtype, root=root, adjacent=adjacent)
         # small blocks, and blocks of up to 3 x 3000 rows of 33 (1 MiB of float32: several shm steps)
         for scale, width in ((1, 5), (3000, 33)):
             for form in ("single", "list"):
