@@ -234,7 +234,7 @@ class Collectives:
         dst, unpack = _flat(output)
         src, dst = _bytes_of_bool(src), _bytes_of_bool(dst)
         self._agree("all_to_all_v", src.dtype, 0)
-        largest = self._agreed_splits(input_splits, output_splits, "rows" if row > 1 else "elements") * row
+        largest = self._agreed_splits(input_splits, output_splits, row) * row
         input_splits, output_splits = [c * row for c in input_splits], [c * row for c in output_splits]
         if self.transport.uneven_all_to_all:
             self.transport.all_to_all_v(dst, output_splits, src, input_splits)
@@ -249,15 +249,23 @@ class Collectives:
                 dst[start : start + count].copy_(block[:count])
         unpack()
 
-    def _agreed_splits(self, input_splits: list[int], output_splits: list[int], unit: str) -> int:
-        """Every rank's splits, gathered; raises CollectiveMismatchError on every rank (they all
-        see the same table) where a rank expects other sizes than its peers send. Returns the
-        largest block any rank sends."""
+    def _agreed_splits(self, input_splits: list[int], output_splits: list[int], row: int) -> int:
+        """Every rank's splits (in rows of ``row`` elements), gathered; raises
+        CollectiveMismatchError on every rank (they all see the same table) where ranks' rows
+        differ in size or a rank expects other sizes than its peers send. Returns the largest
+        block, in rows, any rank sends."""
         w = self.world_size
-        mine = torch.tensor(list(input_splits) + list(output_splits), dtype=torch.int64)
-        table = torch.empty(w * 2 * w, dtype=torch.int64)
+        mine = torch.tensor(list(input_splits) + list(output_splits) + [row], dtype=torch.int64)
+        table = torch.empty(w * (2 * w + 1), dtype=torch.int64)
         self.transport.all_gather(table, mine)
-        rows = table.view(w, 2 * w).tolist()
+        rows = table.view(w, 2 * w + 1).tolist()
+        widths = [r[2 * w] for r in rows]
+        if len(set(widths)) > 1:
+            raise CollectiveMismatchError(
+                f"{where(self.rank, w, self.transport.running or 'all_to_all')} ranks' rows differ in size "
+                f"({'; '.join(f'rank {p}: {e} elements' for p, e in enumerate(widths))}); every rank's tensors "
+                "must have the same size in every dimension but the first")
+        unit = "rows" if row > 1 else "elements"
         wrong = [(p, q, rows[p][q], rows[q][w + p]) for p in range(w) for q in range(w) if rows[p][q] != rows[q][w + p]]
         if wrong:
             said = "; ".join(f"rank {p} sends {sends} {unit} to rank {q}, which expects {expects}"

@@ -26,22 +26,20 @@ import torch
 import torch.distributed as dist
 
 from .errors import PeerFailureError, SMDDPError
-from .work import FutureOnRequest
-
-
-def _set_none(completion: torch.futures.Future) -> None:
-    completion.set_result(None)
+from .work import FutureOnRequest, _set_none
 
 
 class PointToPointWork(dist._Work):
     """Handle of one send or recv. Its gloo work exists once the pair's group does; ``wait``
     waits for both, within the group's timeout, and raises failures as ``DistBackendError``."""
 
-    def __init__(self, describe: str, tensor: torch.Tensor, timeout: timedelta,
-                 after: Callable[[], None] | None = None) -> None:
+    def __init__(self, describe: str, kind: str, tensor: torch.Tensor, timeout: timedelta,
+                 after: Callable[[], None] | None = None, failed: Callable[[str], None] | None = None) -> None:
         super().__init__()
         self._describe = describe
+        self._kind = kind
         self._tensor = tensor
+        self._failed = failed  # tells the pair's link that it cannot be used again
         self._timeout_s = timeout.total_seconds()
         self._after = after  # copies a received message into a non-contiguous tensor
         self._posted = threading.Event()
@@ -64,28 +62,35 @@ class PointToPointWork(dist._Work):
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         limit = timeout.total_seconds() or self._timeout_s
+        ended_now = False
         with self._lock:
             if not self._finished:
                 self._wait_for_gloo(time.monotonic() + limit, limit)
+                self._finished = ended_now = True
+        if ended_now:  # outside the lock: the future's callbacks may touch this work again
+            self._future.end(_set_none)
         if self._error is not None:
             raise self._error
         return True
 
     def _wait_for_gloo(self, deadline: float, limit: float) -> None:
+        """Wait for the call within ``limit`` s; any way it ends, ``_error`` says how."""
         if not self._posted.wait(max(0.0, deadline - time.monotonic())):
-            raise PeerFailureError(f"{self._describe}: the peer did not connect within {limit:.0f} s (the process "
-                                   "group timeout); it is stuck, dead, or never calls the matching send/recv")
-        if self._error is None:
+            self._error = PeerFailureError(
+                f"{self._describe}: the peer did not connect within {limit:.0f} s; it is stuck, dead, or never "
+                "calls the matching send/recv")
+        elif self._error is None:
             try:
                 self._gloo_work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
                 if self._after is not None:
                     self._after()
+                return
             except Exception as exc:
                 self._error = PeerFailureError(
                     f"{self._describe}: not complete within {limit:.0f} s or failed ({exc}); the peer is stuck, "
                     "dead, or never calls the matching send/recv with this tag")
-        self._finished = True
-        self._future.end(_set_none)
+        if self._failed is not None:  # gloo closes a pair whose wait timed out: later calls must say so
+            self._failed(str(self._error))
 
     def is_completed(self) -> bool:
         if self._finished:
@@ -112,7 +117,8 @@ class PointToPointWork(dist._Work):
         return [self._tensor]
 
     def result_tensors(self) -> list[torch.Tensor]:
-        return [self._tensor]
+        """What the call writes (the staged CUDA path copies these back): a recv's tensor only."""
+        return [self._tensor] if self._kind == "recv" else []
 
     def get_future(self) -> torch.futures.Future:
         """Gloo's send and recv work has no future: a thread waits for this one and completes it."""
@@ -186,6 +192,14 @@ class _PairLink:
         except Exception as exc:
             work._post(None, SMDDPError(f"{work._describe}: gloo refused the {kind}: {exc}"))
 
+    def fail(self, reason: str) -> None:
+        """A call on this link failed or timed out, and gloo closes the pair then: later calls
+        fail at once, saying why, instead of reporting a crashed peer."""
+        with self._lock:
+            if self._error is None:
+                self._error = SMDDPError(f"this pair's link failed earlier and cannot be used again ({reason})")
+                self._group = None
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -220,7 +234,7 @@ class PeerLinks:
             tensor_on_wire = wire
         else:
             tensor_on_wire = tensor
-        work = PointToPointWork(describe, tensor, self._timeout, after)
+        work = PointToPointWork(describe, kind, tensor, self._timeout, after, link.fail)
         link.call(kind, tensor_on_wire.detach(), tag, work)
         return work
 

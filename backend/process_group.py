@@ -106,7 +106,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._closed = False
         self._store = store
         self._cuda = None  # CudaPaths, made on the first call with CUDA tensors
-        self._peers: PeerLinks | None = None  # send/recv links, made on the first of them
+        self._peers = PeerLinks(store, rank, timeout)  # send/recv links: none is made before its first call
         if rank == 0:
             members = "all ranks" if global_ranks is None else f"global ranks {list(global_ranks)}"
             # the default group's choice always shows; subgroups' in debug mode
@@ -348,7 +348,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         op = "all_to_all_single"
         n = self.size()
-        uneven = bool(output_split_sizes) or bool(input_split_sizes)
+        # explicit equal splits (MoE code passes them always) are the even case: NCCL runs it on CUDA
+        uneven = output.numel() != input.numel() or any(
+            splits and list(splits) != _equal(t.shape[0] if t.dim() else 0, n)
+            for splits, t in ((output_split_sizes, output), (input_split_sizes, input)))
 
         def check() -> None:
             if output.dtype != input.dtype:
@@ -406,43 +409,36 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     @_device_aware("gather")
     def gather(self, output_tensors, input_tensors, opts=None):
-        opts = opts or dist.GatherOptions()
+        root = (opts or dist.GatherOptions()).rootRank
         with self._preparing("gather"):
             inputs = _as_list(input_tensors)
             outputs = list(_inner_list(output_tensors)) if output_tensors else []
-        root = opts.rootRank
-
-        def check() -> None:
-            self._root(root)
-            _one_tensor("gather", inputs)
-            if self.rank() == root:
-                self._same_blocks("gather", outputs, inputs[0], "output")
-            elif outputs:
-                raise ValueError(f"found {len(outputs)} output tensors on a rank other than the root "
-                                 f"({root}); pass gather_list only on the root")
-
-        return self._run("gather", inputs + outputs, outputs, check,
-                         lambda: self.collectives.gather(outputs, inputs[0], root))
+        return self._rooted("gather", inputs, outputs, "output", root, outputs,
+                            lambda: self.collectives.gather(outputs, inputs[0], root))
 
     @_device_aware("scatter")
     def scatter(self, output_tensors, input_tensors, opts=None):
-        opts = opts or dist.ScatterOptions()
+        root = (opts or dist.ScatterOptions()).rootRank
         with self._preparing("scatter"):
             outputs = _as_list(output_tensors)
             inputs = list(_inner_list(input_tensors)) if input_tensors else []
-        root = opts.rootRank
+        return self._rooted("scatter", outputs, inputs, "input", root, outputs,
+                            lambda: self.collectives.scatter(outputs[0], inputs, root))
 
+    def _rooted(self, op: str, mine: list[torch.Tensor], blocks: list[torch.Tensor], what: str, root: int,
+                outputs: list[torch.Tensor], body: Callable[[], None]):
+        """gather and scatter: one tensor of this rank's (``mine``) and, on the root only, one
+        block per rank (``blocks``, the ``what`` tensors), each like it."""
         def check() -> None:
             self._root(root)
-            _one_tensor("scatter", outputs)
+            _one_tensor(op, mine)
             if self.rank() == root:
-                self._same_blocks("scatter", inputs, outputs[0], "input")
-            elif inputs:
-                raise ValueError(f"found {len(inputs)} input tensors on a rank other than the root "
-                                 f"({root}); pass scatter_list only on the root")
+                self._same_blocks(op, blocks, mine[0], what)
+            elif blocks:
+                raise ValueError(f"found {len(blocks)} {what} tensors on a rank other than the root ({root}); "
+                                 f"pass {op}_list only on the root")
 
-        return self._run("scatter", outputs + inputs, outputs, check,
-                         lambda: self.collectives.scatter(outputs[0], inputs, root))
+        return self._run(op, mine + blocks, outputs, check, body)
 
     def barrier(self, opts=None):
         nccl = self._cuda.nccl if self._cuda is not None else None
@@ -485,8 +481,6 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             from .cuda.nccl_path import NeedsStaging
 
             raise NeedsStaging(kind)
-        if self._peers is None:
-            self._peers = PeerLinks(self._store, self.rank(), self.timeout)
         describe = f"{where(self.rank(), self.size(), kind)} {'to' if kind == 'send' else 'from'} rank {peer} (tag {tag})"
         return self._peers.start(kind, tensors[0], peer, tag, describe)
 
@@ -542,8 +536,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if self._cuda is not None:
             self._cuda.close(abort)
         self._comm.stop()
-        if self._peers is not None:
-            self._peers.close()
+        self._peers.close()
         self.transport.close()
         self.collectives.scratch.release()
 

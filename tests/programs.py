@@ -711,6 +711,8 @@ def point_to_point_errors() -> dict:
     started = time.monotonic()
     report["never_sent"] = _error_of(lambda: dist.recv(torch.ones(3), src=1 - rank, tag=9))
     report["never_sent"]["seconds"] = time.monotonic() - started
+    # gloo closes a pair whose wait timed out: the next call on it says so at once
+    report["after_timeout"] = _error_of(lambda: dist.recv(torch.ones(3), src=1 - rank, tag=10))
     t = torch.ones(3)
     dist.all_reduce(t)
     report["usable_after"] = t.tolist() == [2.0, 2.0, 2.0]

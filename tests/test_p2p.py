@@ -36,11 +36,12 @@ EXPECTED = {
     "tag": ["tag -2", "non-negative"],
     "any_source": ["any source", "src="],
     "never_sent": ["from rank", "tag 9", "3 s"],
+    "after_timeout": ["tag 10", "failed earlier", "cannot be used again"],
 }
 
 
 def test_bad_peers_raise_and_a_missing_sender_times_out():
-    """(A send to this very rank torch refuses itself, before the backend sees it.)"""
+    """(A blocking send to this very rank torch refuses itself, before the backend sees it.)"""
     reports = harness.values(harness.launch("tests.programs:point_to_point_errors", 2, timeout=120))
     for rank, report in enumerate(reports):
         for case, words in EXPECTED.items():
@@ -50,5 +51,6 @@ def test_bad_peers_raise_and_a_missing_sender_times_out():
                 assert word in error["message"], f"rank {rank} {case}: {word!r} not in {error['message']!r}"
             assert f"rank {rank}/2" in error["message"], error["message"]
         assert 2.5 < report["never_sent"]["seconds"] < 15, report["never_sent"]
+        assert report["after_timeout"]["seconds"] < 1, report["after_timeout"]
         assert report["never_sent"]["backend_error"], "a timed-out recv must be a DistBackendError"
         assert report["usable_after"]
