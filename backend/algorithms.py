@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .errors import CollectiveMismatchError, PeerRefusedError, where
 from .ops import DTYPES, LOW_PRECISION, RedOp, as_sum
 from .scratch import Scratch
-from .transports.base import Transport, block_offsets
+from .transports.base import Transport, block_offsets, overlap
 
 _BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
             RedOp.MIN: RedOp.MIN, RedOp.PRODUCT: RedOp.MIN, RedOp.BAND: RedOp.MIN, RedOp.BXOR: RedOp.BXOR}
@@ -205,6 +205,8 @@ class Collectives:
         everyone = adjacent = _adjacent(outputs) if self.rank == root else None
         if self.rank == root and everyone is None:
             everyone = torch.empty(self.world_size * n, dtype=src.dtype)
+        elif adjacent is not None and n and overlap(src, adjacent) and src.data_ptr() != adjacent[root * n :].data_ptr():
+            src = src.clone()  # the input lies in another rank's block, which the gather overwrites first
         self.transport.gather(_bytes_of_bool(everyone), _bytes_of_bool(src), root)
         if everyone is not None and adjacent is None:
             for out, block in zip(outputs, everyone.view(self.world_size, n)):

@@ -1,4 +1,4 @@
-"""Per-call latency distribution of a small all_reduce, for several backends side by side.
+"""Per-call latency distribution of a small all_reduce (or send/recv round trip), for several backends side by side.
 
 nccl-tests style means hide the tail; this prints p50/p90/p99/max of single calls, alternating
 backends in rounds so that machine noise hits them alike. On CUDA a call returns once it is
@@ -8,6 +8,10 @@ round); ``--profile`` adds where that time goes in the first backend (cProfile, 
     torchrun --standalone --nproc-per-node 2 benchmarks/latency.py --backends smddp,gloo
     torchrun --standalone --nproc-per-node 1 benchmarks/latency.py --device cuda --backends smddp,nccl \
         --profile smddp-calls.txt
+    torchrun --standalone --nproc-per-node 2 benchmarks/latency.py --op pingpong --profile p2p.txt
+
+``--op pingpong`` times round trips between ranks 0 and 1 (rank 0 sends, rank 1 sends back;
+other ranks wait at the end).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="alternations between backends")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--profile", metavar="PATH", help="write a cProfile of the first backend's calls here")
+    parser.add_argument("--op", choices=("all_reduce", "pingpong"), default="all_reduce",
+                        help="what one timed call is: an all_reduce, or a send/recv round trip between ranks 0 and 1")
     args = parser.parse_args()
 
     backends = args.backends.split(",")
@@ -55,30 +61,46 @@ def main() -> None:
     smddp_lite.init(backend=backends[0])
     groups = {b: dist.group.WORLD if i == 0 else dist.new_group(backend=b) for i, b in enumerate(backends)}
     tensor = torch.ones(max(1, args.bytes // 4), device=device)
+    if args.op == "pingpong" and dist.get_world_size() < 2:
+        raise SystemExit("--op pingpong needs at least 2 ranks")
+    rank = dist.get_rank()
+
+    def call(group) -> None:
+        if args.op == "all_reduce":
+            dist.all_reduce(tensor, group=group)
+        elif rank == 0:
+            dist.send(tensor, 1, group=group)
+            dist.recv(tensor, 1, group=group)
+        elif rank == 1:
+            dist.recv(tensor, 0, group=group)
+            dist.send(tensor, 0, group=group)
+
     samples: dict[str, list[float]] = {b: [] for b in backends}
     for _ in range(args.rounds):
         for backend, group in groups.items():
             for _ in range(50):  # warm-up after switching
-                dist.all_reduce(tensor, group=group)
+                call(group)
             settle()
             for _ in range(args.calls // args.rounds):
                 start = time.perf_counter()
-                dist.all_reduce(tensor, group=group)
+                call(group)
                 samples[backend].append(time.perf_counter() - start)
             settle()
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(args.calls // args.rounds):
-            dist.all_reduce(tensor)  # the first backend's group
+            call(dist.group.WORLD)  # the first backend's group
         settle()
         profile.disable()
         if dist.get_rank() == 0:
             with open(args.profile, "w") as f:
-                f.write(profile_table(profile, args.calls // args.rounds, f"all_reduce calls of {backends[0]} "
+                f.write(profile_table(profile, args.calls // args.rounds, f"{args.op} calls of {backends[0]} "
                                       f"on {device}, rank 0"))
+    dist.barrier()  # ranks other than 0 and 1 had nothing to time in a ping-pong
     if dist.get_rank() == 0:
-        print(f"# all_reduce of {tensor.numel() * 4} B float32 on {dist.get_world_size()} ranks ({device.type}), "
+        what = "all_reduce" if args.op == "all_reduce" else "send/recv round trip (ranks 0 and 1)"
+        print(f"# {what} of {tensor.numel() * 4} B float32 on {dist.get_world_size()} ranks ({device.type}), "
               f"{args.calls} calls per backend in {args.rounds} alternating rounds (rank 0's view)")
         print(f"# {'backend':<8} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8} {'max us':>8} {'mean us':>8}")
         for backend, values in samples.items():

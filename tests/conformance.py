@@ -172,6 +172,20 @@ def case_gather(shape, dtype, rank, world, root, adjacent):
     return _mismatch(mine, on_device(seeded(shape, rank, dtype)))  # the input is left as it was
 
 
+def case_gather_input_in_output(rank, world):
+    """The last rank gathers, its input lying in block 0 of its own output: the block rank 0's
+    input goes to, so the input must be read before that block is written."""
+    root = world - 1
+    out = empty((world * 17,), torch.float32)
+    blocks = list(out.chunk(world))
+    mine = blocks[0] if rank == root and root != 0 else on_device(seeded((17,), rank, torch.float32))
+    mine.copy_(seeded((17,), rank, torch.float32))
+    dist.gather(mine, blocks if rank == root else None, dst=root)
+    if rank != root:
+        return None
+    return _mismatch(out, torch.cat([seeded((17,), r, torch.float32) for r in range(world)]))
+
+
 def case_scatter(shape, dtype, rank, world, root, adjacent):
     ins = None
     if rank == root:
@@ -317,6 +331,7 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
         yield "autograd", f"leaf-{op}", case_autograd_leaf, dict(op=op)
     yield "async", "pipeline", case_async_pipeline, {}
     yield "objects", "gather_scatter_all_gather_broadcast", case_objects, {}
+    yield "gather", "input_in_another_block_of_the_output", case_gather_input_in_output, {}
     yield "barrier", "three", case_barrier, {}
     yield "subgroup", "odd_even", case_subgroup, {}
 

@@ -150,6 +150,12 @@ class Transport(abc.ABC):
         """Release resources. Idempotent."""
 
 
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of (contiguous) ``a`` and ``b`` overlaps."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def block_offsets(counts: list[int]) -> list[int]:
     """Where each of consecutive blocks of ``counts`` elements starts."""
     return [0, *itertools.accumulate(counts)][: len(counts)]

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import PeerFailureError, where
 from ..ops import RedOp
-from .base import Transport, block_offsets
+from .base import Transport, block_offsets, overlap
 from .mpi_environment import cma_requested_where_blocked, import_mpi
 from .refusals import POLL_S
 
@@ -51,9 +51,7 @@ def _buf(t: torch.Tensor):
 
 def _unaliased(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """``src``, or a copy of it when its memory overlaps ``dst``'s."""
-    s0, d0 = src.data_ptr(), dst.data_ptr()
-    s1, d1 = s0 + src.numel() * src.element_size(), d0 + dst.numel() * dst.element_size()
-    return src.clone() if s0 < d1 and d0 < s1 else src
+    return src.clone() if overlap(src, dst) else src
 
 
 class MPITransport(Transport):
