@@ -465,23 +465,24 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def _point_to_point(self, kind: str, tensors, peer: int, tag: int):
         """A send or recv on the pair's own link (p2p.py): not numbered among the collectives,
         which every rank makes, so a refusal here is this rank's alone."""
+        rank, size = self._rank_and_size
         tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         try:
             self._check_usable(kind)
             _one_tensor(kind, tensors)
             self._check_tensor(kind, tensors[0])
-            if not 0 <= peer < self.size() or peer == self.rank():
-                raise ValueError(f"peer rank {peer} is not another rank of this group of {self.size()} "
-                                 f"(0..{self.size() - 1}, not this rank, {self.rank()})")
+            if not 0 <= peer < size or peer == rank:
+                raise ValueError(f"peer rank {peer} is not another rank of this group of {size} "
+                                 f"(0..{size - 1}, not this rank, {rank})")
             if not isinstance(tag, int) or tag < 0:
                 raise ValueError(f"tag {tag!r} must be a non-negative int")
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise ValueError(f"{where(self.rank(), self.size(), kind)} {exc}") from None
+            raise ValueError(f"{where(rank, size, kind)} {exc}") from None
         if tensors[0].is_cuda:  # through host memory (the route stages the call)
             from .cuda.nccl_path import NeedsStaging
 
             raise NeedsStaging(kind)
-        describe = f"{where(self.rank(), self.size(), kind)} {'to' if kind == 'send' else 'from'} rank {peer} (tag {tag})"
+        describe = f"{where(rank, size, kind)} {'to' if kind == 'send' else 'from'} rank {peer} (tag {tag})"
         return self._peers.start(kind, tensors[0], peer, tag, describe)
 
 
