@@ -595,6 +595,7 @@ def soak(rounds: int = 1200, checkpoints: int = 10, compare_from: int = 4) -> di
     values = torch.empty(n)
     wide = torch.empty(1 << 16, dtype=torch.bfloat16)  # 16-bit: the widening paths and their buffers
     gathered, scattered = torch.empty(n * world), torch.empty(n)
+    mine, blocks = torch.empty(n), torch.empty(n * world)
     wrong = []
     # torch 2.13 deprecates the *_into_tensor / *_tensor names, and every deprecation warning adds to
     # the warnings registry, which would read as growth here
@@ -614,6 +615,23 @@ def soak(rounds: int = 1200, checkpoints: int = 10, compare_from: int = 4) -> di
         got = (chained.wait(), float(wide[-1]), float(scattered[0]))
         if got != (total * world, (world + 1) / 2, total * world):
             wrong.append((i, got))
+        # the ops added on 2026-11-24: gather, scatter, an uneven all_to_all (sizes change every
+        # round, as MoE routing's do) and a ring of isend/irecv through the pair links
+        root = i % world
+        mine.fill_(rank)
+        dist.gather(mine, list(blocks.chunk(world)) if rank == root else None, dst=root)
+        dist.scatter(mine, list(blocks.chunk(world)) if rank == root else None, src=root)
+        sends = [(rank + q + i) % 3 for q in range(world)]
+        receives = [(q + rank + i) % 3 for q in range(world)]
+        routed = torch.empty(sum(receives))
+        dist.all_to_all_single(routed, torch.full((sum(sends),), float(rank)), receives, sends)
+        ring = torch.empty(4)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((4,), float(rank)), (rank + 1) % world),
+                                            dist.P2POp(dist.irecv, ring, (rank - 1) % world)]):
+            work.wait()
+        want_routed = torch.cat([torch.full((c,), float(q)) for q, c in enumerate(receives)])
+        if float(mine[0]) != rank or not torch.equal(routed, want_routed) or float(ring[0]) != (rank - 1) % world:
+            wrong.append((i, "gather/scatter/all_to_all/send", float(mine[0]), float(ring[0])))
         if i % 50 == 0:
             dist.barrier()
 

@@ -10,7 +10,7 @@ stays flat, about 1 KiB per 120 rounds, as caches and pools settle.)
 
 The bounds: a Python object leaked per call costs at least 16 bytes (most cost 48 or more); the
 heap was seen to grow 0.3-2.8 bytes per call here (interpreter and torch internals), so 8 bytes
-per call separates the two. A leak in one kind of call of the six is a sixth of that, so no
+per call separates the two. A leak in one kind of call of the eleven is an eleventh of that, so no
 single source line may gain a live block per round either (half a block per round is the bound). The resident set moves in allocator-sized steps (up to 3 MiB
 was seen with 4 ranks on 2 cores); 16 MiB still catches a leaked tensor of the 64 Ki elements
 the program sends (256 KiB a call), which tracemalloc does not see.
@@ -23,8 +23,9 @@ import pytest
 from . import harness
 
 ROUNDS, CHECKPOINTS, COMPARE_FROM = 1200, 10, 4
-CALLS_PER_ROUND = 6  # all_reduce x3 (one bfloat16 AVG, one async with a future), all_gather,
-# reduce_scatter, broadcast; and a barrier every 50 rounds, not counted
+CALLS_PER_ROUND = 11  # all_reduce x3 (one bfloat16 AVG, one async with a future), all_gather,
+# reduce_scatter, broadcast, gather, scatter, uneven all_to_all_single, isend, irecv; and a
+# barrier every 50 rounds, not counted
 HEAP_BYTES_PER_CALL = 8
 RESIDENT_GROWTH = 16 << 20
 
