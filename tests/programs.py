@@ -736,3 +736,39 @@ def point_to_point_errors() -> dict:
     report["usable_after"] = t.tolist() == [2.0, 2.0, 2.0]
     dist.destroy_process_group()
     return report
+
+
+def ddp_uneven_inputs(base_steps: int = 5) -> dict:
+    """Ranks with different numbers of batches (the last, short epoch of a sharded dataset),
+    trained under DDP's ``join()``: ranks that run out shadow the others' all_reduces instead of
+    leaving them waiting. The same on "smddp" and on "gloo", one after the other in one job;
+    returns each one's seconds and final parameters' largest difference."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    steps = base_steps + 3 * rank  # rank r has 3r more batches than rank 0
+    batches = list(_parity_batches(rank, steps))
+    result = {}
+    models = {}
+    for name, group in (("smddp", dist.group.WORLD), ("gloo", gloo)):
+        ddp = DDP(_parity_model(), process_group=group, bucket_cap_mb=0.01)
+        optim = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        started = time.monotonic()
+        with ddp.join():
+            for x, y in batches:
+                optim.zero_grad()
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                optim.step()
+        result[f"{name}_seconds"] = time.monotonic() - started
+        models[name] = ddp.module
+    result["max_diff"] = max(float((p - q).abs().max())
+                             for p, q in zip(models["smddp"].parameters(), models["gloo"].parameters()))
+    # every rank must end with the same parameters (DDP's shadow all_reduces kept them in step)
+    flat = torch.cat([p.detach().reshape(-1) for p in models["smddp"].parameters()])
+    everyone = torch.empty(dist.get_world_size() * flat.numel())
+    dist.all_gather_into_tensor(everyone, flat)
+    result["ranks_agree"] = bool((everyone.view(dist.get_world_size(), -1) == flat).all())
+    dist.destroy_process_group()
+    return result

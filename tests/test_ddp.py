@@ -23,3 +23,16 @@ def test_ddp_matches_gloo(world):
             assert result["fp16_hook"] < 5e-3, (rank, result)
     losses = results[0]["losses"]
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_ddp_join_trains_ranks_with_uneven_inputs_to_the_same_end(transport):
+    """SMDDP's users met hangs with uneven last batches. Under DDP's join(), ranks that run out
+    of batches shadow the others' all_reduces; each rank has a different number of batches here,
+    and every rank must finish, agree, and end where gloo ends (without join() they would wait
+    for each other until the timeout)."""
+    results = harness.values(harness.launch("tests.programs:ddp_uneven_inputs", 3, timeout=200,
+                                            env={"SMDDP_TRANSPORT": transport}))
+    for rank, result in enumerate(results):
+        assert result["ranks_agree"], (rank, result)
+        assert result["max_diff"] < 1e-6, (rank, result)  # three addends: gloo's ring may add in another order
