@@ -85,6 +85,18 @@ def _reduce_scatter(dtype: torch.dtype = torch.float32) -> None:
     dist.reduce_scatter_tensor(torch.empty(3, dtype=dtype), torch.ones(3 * dist.get_world_size(), dtype=dtype))
 
 
+def _gather(dtype: torch.dtype) -> None:
+    n = dist.get_world_size()
+    dist.gather(torch.ones(3, dtype=dtype), [torch.empty(3, dtype=dtype) for _ in range(n)] if dist.get_rank() == 0
+                else None, dst=0)
+
+
+def _uneven_all_to_all(dtype: torch.dtype) -> None:
+    n = dist.get_world_size()
+    dist.all_to_all_single(torch.empty(n * 2, dtype=dtype), torch.ones(n * 2, dtype=dtype), [1, 3] + [2] * (n - 2),
+                           [1, 3] + [2] * (n - 2))
+
+
 REFUSED_CALLS = {  # kind: (the call every other rank makes, the call the refusing rank makes)
     # refused by the tensor checks
     "dtype": (lambda: dist.all_reduce(torch.ones(3)), lambda: dist.all_reduce(torch.ones(3, dtype=torch.float8_e4m3fn))),
@@ -93,6 +105,10 @@ REFUSED_CALLS = {  # kind: (the call every other rank makes, the call the refusi
            lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0))),
     # the others wait in a reduce_scatter
     "reduce_scatter": (_reduce_scatter, lambda: _reduce_scatter(torch.float8_e4m3fn)),
+    # the others wait in a gather (its own steps on shm, Igather on MPI)
+    "gather": (lambda: _gather(torch.float32), lambda: _gather(torch.float8_e4m3fn)),
+    # the others wait in an uneven all_to_all's exchange of split sizes
+    "all_to_all_uneven": (lambda: _uneven_all_to_all(torch.float32), lambda: _uneven_all_to_all(torch.float8_e4m3fn)),
 }
 
 

@@ -97,8 +97,10 @@ REFUSAL_LAUNCHES = {  # transport: (ranks, launch arguments)
 
 
 # what the refusing rank's error says, by what it passed (programs.REFUSED_CALLS)
-REFUSAL_WORDS = {"dtype": "float8_e4m3fn", "op": "PREMUL_SUM", "reduce_scatter": "float8_e4m3fn"}
-REFUSED_OP = {"dtype": "all_reduce", "op": "all_reduce", "reduce_scatter": "reduce_scatter_tensor"}
+REFUSAL_WORDS = {"dtype": "float8_e4m3fn", "op": "PREMUL_SUM", "reduce_scatter": "float8_e4m3fn",
+                 "gather": "float8_e4m3fn", "all_to_all_uneven": "float8_e4m3fn"}
+REFUSED_OP = {"dtype": "all_reduce", "op": "all_reduce", "reduce_scatter": "reduce_scatter_tensor",
+              "gather": "gather", "all_to_all_uneven": "all_to_all_single"}
 REFUSAL_CASES = [(transport, "dtype") for transport in sorted(REFUSAL_LAUNCHES) if transport != "gloo-checked"] + [
     ("gloo-checked", "dtype"),
     # refused while the call reads its arguments, before its checks: on transports whose waits
@@ -106,6 +108,8 @@ REFUSAL_CASES = [(transport, "dtype") for transport in sorted(REFUSAL_LAUNCHES) 
     ("gloo", "op"), ("mpi", "op"),
     # gloo's own reduce_scatter could not be waited on in slices; hierarchical's crosses hosts in gloo
     ("gloo", "reduce_scatter"), ("hierarchical", "reduce_scatter"),
+    # the collectives added on 2026-11-24
+    ("shm", "gather"), ("mpi", "gather"), ("gloo", "all_to_all_uneven"), ("hierarchical", "all_to_all_uneven"),
 ]
 
 
