@@ -788,3 +788,41 @@ def ddp_uneven_inputs(base_steps: int = 5) -> dict:
     result["ranks_agree"] = bool((everyone.view(dist.get_world_size(), -1) == flat).all())
     dist.destroy_process_group()
     return result
+
+
+def pipeline_parity(microbatches: int = 4) -> dict:
+    """torch.distributed.pipelining (one stage per rank, send/recv between them) under the GPipe
+    and 1F1B schedules, on "smddp" and on "gloo" side by side in one job: the losses and every
+    stage's gradients must be the same."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    target = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for schedule in (ScheduleGPipe, Schedule1F1B):
+        for name, group in (("smddp", dist.group.WORLD), ("gloo", gloo)):
+            torch.manual_seed(0)
+            layers = [torch.nn.Linear(16, 16) for _ in range(2 * world)]
+            stage_layers = torch.nn.Sequential(*layers[2 * rank : 2 * rank + 2])
+            stage = PipelineStage(stage_layers, rank, world, torch.device("cpu"), group=group)
+            run = schedule(stage, n_microbatches=microbatches, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+            losses = []
+            if rank == 0:
+                run.step(x)
+            elif rank == world - 1:
+                run.step(target=target, losses=losses)
+            else:
+                run.step()
+            results[(schedule.__name__, name)] = (
+                [float(loss) for loss in losses], torch.cat([p.grad.reshape(-1) for p in stage_layers.parameters()]))
+    report = {}
+    for schedule in ("ScheduleGPipe", "Schedule1F1B"):
+        (smddp_losses, smddp_grads), (gloo_losses, gloo_grads) = results[(schedule, "smddp")], results[(schedule, "gloo")]
+        report[schedule] = {"losses": smddp_losses, "same_losses": smddp_losses == gloo_losses,
+                            "same_grads": bool(torch.equal(smddp_grads, gloo_grads)),
+                            "grad_norm": float(smddp_grads.norm())}
+    dist.destroy_process_group()
+    return report

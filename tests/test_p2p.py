@@ -54,3 +54,15 @@ def test_bad_peers_raise_and_a_missing_sender_times_out():
         assert report["after_timeout"]["seconds"] < 1, report["after_timeout"]
         assert report["never_sent"]["backend_error"], "a timed-out recv must be a DistBackendError"
         assert report["usable_after"]
+
+
+def test_pipeline_schedules_match_gloo():
+    """torch.distributed.pipelining's GPipe and 1F1B schedules, one stage per rank on 3 ranks,
+    move activations and gradients with send/recv: on smddp they must give gloo's losses and
+    gradients exactly (the same messages; no arithmetic in the backend)."""
+    reports = harness.values(harness.launch("tests.programs:pipeline_parity", 3, timeout=180))
+    for rank, report in enumerate(reports):
+        for schedule, r in report.items():
+            assert r["same_losses"] and r["same_grads"], (rank, schedule, r)
+            assert r["grad_norm"] > 0, (rank, schedule, r)
+            assert len(r["losses"]) == (4 if rank == 2 else 0), (rank, schedule, r)
