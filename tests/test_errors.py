@@ -109,7 +109,8 @@ REFUSAL_CASES = [(transport, "dtype") for transport in sorted(REFUSAL_LAUNCHES) 
     # gloo's own reduce_scatter could not be waited on in slices; hierarchical's crosses hosts in gloo
     ("gloo", "reduce_scatter"), ("hierarchical", "reduce_scatter"),
     # the collectives added on 2026-11-24
-    ("shm", "gather"), ("mpi", "gather"), ("gloo", "all_to_all_uneven"), ("hierarchical", "all_to_all_uneven"),
+    ("shm", "gather"), ("mpi", "gather"), ("gloo", "gather"), ("gloo", "all_to_all_uneven"),
+    ("hierarchical", "all_to_all_uneven"),
 ]
 
 

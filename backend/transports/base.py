@@ -108,21 +108,15 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None: ...
 
+    @abc.abstractmethod
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
         """``output`` (world_size * n,) on ``root`` receives every rank's ``input`` (n,) in rank
-        order; ``output`` is None on the other ranks. This default is an all_gather whose result
-        only the root keeps: every rank receives what the root does."""
-        everyone = output if output is not None else torch.empty(self.world_size * input.numel(), dtype=input.dtype)
-        self.all_gather(everyone, input)
+        order; ``output`` is None on the other ranks."""
 
+    @abc.abstractmethod
     def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
         """``output`` (n,) receives block ``rank`` of the root's ``input`` (world_size * n,);
-        ``input`` is None on the other ranks. This default broadcasts the root's whole input,
-        of which each rank keeps its block."""
-        n = output.numel()
-        everything = input if self.rank == root else torch.empty(self.world_size * n, dtype=output.dtype)
-        self.broadcast(everything, root)
-        output.copy_(everything[self.rank * n : (self.rank + 1) * n])
+        ``input`` is None on the other ranks."""
 
     def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
                      input_splits: list[int]) -> None:

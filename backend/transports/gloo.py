@@ -166,6 +166,20 @@ class GlooTransport(Transport):
         work = self._pg.alltoall_base(output, input, list(output_splits), list(input_splits), dist.AllToAllOptions())
         self._run("all_to_all", work)
 
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
+        # gloo's own: only the root receives (the default all_gather sends every rank everything)
+        opts = dist.GatherOptions()
+        opts.rootRank = root
+        outputs = [list(output.view(self.world_size, -1))] if output is not None else []
+        self._run("gather", self._pg.gather(outputs, [input], opts))
+
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
+        # gloo's own: each rank receives its block only (the default broadcasts the root's whole input)
+        opts = dist.ScatterOptions()
+        opts.rootRank = root
+        inputs = [list(input.view(self.world_size, -1))] if input is not None else []
+        self._run("scatter", self._pg.scatter([output], inputs, opts))
+
     def barrier(self) -> None:
         self._run("barrier", self._pg.barrier(dist.BarrierOptions()))
 

@@ -328,6 +328,13 @@ class HierarchicalTransport(Transport):
                      input_splits: list[int]) -> None:
         self.flat.all_to_all_v(output, output_splits, input, input_splits)
 
+    # gloo's own gather and scatter: only the root receives, or each rank its block
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
+        self.flat.gather(output, input, root)
+
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
+        self.flat.scatter(output, input, root)
+
     def barrier(self) -> None:
         self.flat.barrier()
 
