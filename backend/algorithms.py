@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .errors import CollectiveMismatchError, PeerRefusedError, where
 from .ops import DTYPES, LOW_PRECISION, RedOp, as_sum
-from .scratch import Scratch
+from .scratch import DEFAULT_MAX_BYTES, Scratch
 from .transports.base import Transport, block_offsets, overlap
 
 _BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
@@ -81,11 +81,12 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 class Collectives:
     """The algorithms of one process group over its transport."""
 
-    def __init__(self, transport: Transport, check_signatures: bool) -> None:
+    def __init__(self, transport: Transport, check_signatures: bool, scratch_max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.transport = transport
         self.rank, self.world_size = transport.rank, transport.world_size
         self._check = check_signatures and not transport.checks_signatures
-        self.scratch = Scratch()  # float32 copies of 16-bit messages, reused (scratch.py says why)
+        # float32 copies of 16-bit messages, reused (scratch.py says why)
+        self.scratch = Scratch(scratch_max_bytes)
 
     # shared steps ------------------------------------------------------------------------------
     def _agree(self, op: str, dtype: torch.dtype | None, numel: int, arg: int = 0) -> None:

@@ -98,7 +98,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._group_name = group_name
         self._group_desc = ""  # c10d sets both (_set_group_name, _set_group_desc)
         self.transport, reason = create_transport(store, rank, world_size, global_ranks, timeout, self.config)
-        self.collectives = Collectives(self.transport, self.config.checks_collectives)
+        self.collectives = Collectives(self.transport, self.config.checks_collectives, self.config.scratch_max_bytes)
         self._comm = CommThread(f"smddp-comm-{group_name or 'default'}", inline=self.transport.runs_inline)
         self._calls = 0
         self._rank_and_size = (rank, world_size)  # for every call's Work (rank()/size() cross into C++)

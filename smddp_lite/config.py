@@ -45,6 +45,12 @@ class BackendConfig:
     working set (2 ranks x 2 buffers) inside the L2/L3 caches of the machines we measured on.
     Env: ``SMDDP_SHM_CHUNK_BYTES``."""
 
+    scratch_max_bytes: int = 256 << 20
+    """The largest working buffer a group keeps between calls (float32 copies of 16-bit
+    messages, backend/scratch.py): reusing one saves the page faults of a fresh one (a 64 MiB
+    bfloat16 message widened in 6 ms instead of 50), but a group keeps it until destroyed.
+    Larger messages get a fresh buffer each call. Env: ``SMDDP_SCRATCH_MAX_BYTES``."""
+
     algorithm: str = "auto"
     """How all_reduce, all_gather and reduce_scatter cross hosts: "hierarchical" (inside each
     host first, then one balanced share per rank across hosts, the Herring/SMDDP scheme), "flat"
@@ -123,6 +129,11 @@ class BackendConfig:
                 f"smddp-lite: SMDDP_TRANSPORT={self.transport!r} is not a transport; expected one of "
                 f"{', '.join(TRANSPORTS)}. Unset it to let the backend choose."
             )
+        if self.scratch_max_bytes < 0:
+            raise ValueError(
+                f"smddp-lite: SMDDP_SCRATCH_MAX_BYTES={self.scratch_max_bytes} must be 0 (keep no working "
+                "buffers) or more (bytes); the default is 268435456."
+            )
         if self.shm_chunk_bytes < 4096 or self.shm_chunk_bytes % 64:
             raise ValueError(
                 f"smddp-lite: SMDDP_SHM_CHUNK_BYTES={self.shm_chunk_bytes} must be a multiple of 64 "
@@ -183,6 +194,7 @@ ENV_VARS: dict[str, tuple[tuple[str, str], ...]] = {
     "SMDDP_DEBUG": (("backend", "debug"), ("compile", "debug")),
     "SMDDP_CHECK_COLLECTIVES": (("backend", "check_collectives"),),
     "SMDDP_SHM_CHUNK_BYTES": (("backend", "shm_chunk_bytes"),),
+    "SMDDP_SCRATCH_MAX_BYTES": (("backend", "scratch_max_bytes"),),
     "SMDDP_ALGORITHM": (("backend", "algorithm"),),
     "SMDDP_HIERARCHICAL_MIN_BYTES": (("backend", "hierarchical_min_bytes"),),
     "SMDDP_HIERARCHICAL_CHUNK_BYTES": (("backend", "hierarchical_chunk_bytes"),),

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from smddp_lite.config import BackendConfig, backend_config
+
+from . import harness
 
 
 def test_defaults_and_overrides():
@@ -25,6 +28,7 @@ def test_unknown_variable_is_named_with_the_known_ones():
     ({"SMDDP_SHM_CHUNK_BYTES": "100"}, "multiple of 64"),
     ({"SMDDP_SHM_CHUNK_BYTES": "lots"}, "not an integer"),
     ({"SMDDP_INTER_NODE_ACCUMULATE": "bf16"}, "expected one of float32, wire"),
+    ({"SMDDP_SCRATCH_MAX_BYTES": "-1"}, "must be 0"),
 ])
 def test_bad_values_say_what_is_expected(env, words):
     with pytest.raises(ValueError, match=words):
@@ -43,3 +47,24 @@ def test_sagemaker_import_path_registers_the_backend():
 
     assert "SMDDP" in dist.Backend._plugins
     assert dist.Backend._plugins["SMDDP"].creator_fn.__module__ == "smddp_lite.backend.process_group"
+
+
+def test_scratch_keeps_buffers_up_to_its_bound_only():
+    from smddp_lite.backend.scratch import Scratch
+
+    scratch = Scratch(max_bytes=4096)
+    small = scratch.get("wire", torch.float32, 1024)  # 4096 bytes: kept and handed out again
+    assert scratch.get("wire", torch.float32, 512).data_ptr() == small.data_ptr()
+    big = scratch.get("wire", torch.float32, 1025)  # beyond the bound: fresh, and not kept
+    assert big.numel() == 1025 and scratch.kept_bytes() == 4096
+    assert scratch.get("wire", torch.float32, 1025).data_ptr() != small.data_ptr()
+
+
+@pytest.mark.parametrize("limit, keeps", [(None, True), ("1048576", False)])
+def test_groups_keep_no_working_buffer_above_scratch_max_bytes(limit, keeps):
+    """A group's float32 copies of a 4 MiB bfloat16 message (8 MiB each) stay with the group by
+    default, and are not kept when SMDDP_SCRATCH_MAX_BYTES is below their size."""
+    env = {"SMDDP_TRANSPORT": "gloo", **({"SMDDP_SCRATCH_MAX_BYTES": limit} if limit else {})}
+    for report in harness.values(harness.launch("tests.programs:scratch_kept", 2, env=env)):
+        assert report["right"], report
+        assert (report["kept"] >= 8 << 20) if keeps else (report["kept"] == 0), report

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..errors import PeerFailureError
 from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum
-from ..scratch import Scratch
+from ..scratch import DEFAULT_MAX_BYTES, Scratch
 from .base import Transport
 from .refusals import POLL
 
@@ -41,12 +41,12 @@ class GlooTransport(Transport):
     reduce_scatters_16_bit = frozenset(LOW_PRECISION)
     uneven_all_to_all = True  # gloo's alltoall takes split sizes
 
-    def __init__(self, store, rank: int, world_size: int, timeout) -> None:
+    def __init__(self, store, rank: int, world_size: int, timeout, scratch_max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         super().__init__(rank, world_size)
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
         # float32 working buffers of reduce_scatter's reduction (used only inside its finish(),
         # which a group runs one at a time, also when several reduce_scatters are in flight)
-        self._scratch = Scratch()
+        self._scratch = Scratch(scratch_max_bytes)
 
     def _run(self, op: str, work) -> None:
         if self.refusals is None:

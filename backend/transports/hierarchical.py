@@ -96,7 +96,8 @@ class HierarchicalTransport(Transport):
         self.exact_16bit_sums = config.inter_node_accumulate == "float32"
         self.debug = config.debug
         self.intra = intra_factory(dist.PrefixStore(f"intra{self.node}", store), self.local_rank, self.per_node)
-        self.inter = GlooTransport(dist.PrefixStore(f"inter{self.local_rank}", store), self.node, self.nodes, timeout)
+        self.inter = GlooTransport(dist.PrefixStore(f"inter{self.local_rank}", store), self.node, self.nodes, timeout,
+                                   config.scratch_max_bytes)
         self.flat = GlooTransport(dist.PrefixStore("flat", store), rank, world_size, timeout)
         # (L, N): for each local index j, the ranks with that index, host by host; the order in
         # which the inter-host groups' blocks sit after the step inside the host

@@ -134,7 +134,7 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
     else:
         from .gloo import GlooTransport
 
-        transport = GlooTransport(store, rank, world_size, timeout)
+        transport = GlooTransport(store, rank, world_size, timeout, config.scratch_max_bytes)
     transport.refusals = RefusalBoard(store, rank, world_size, timeout)  # shared memory and the hierarchical transport have their own
     transport.refusals.hears_failures = name == "mpi"  # an MPI error can stay on the rank that had it
     return transport, reason
