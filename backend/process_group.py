@@ -97,6 +97,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self.timeout = timeout
         self._group_name = group_name
         self._group_desc = ""  # c10d sets both (_set_group_name, _set_group_desc)
+        store = _own_keys(store, world_size)
         self.transport, reason = create_transport(store, rank, world_size, global_ranks, timeout, self.config)
         self.collectives = Collectives(self.transport, self.config.checks_collectives, self.config.scratch_max_bytes)
         self._comm = CommThread(f"smddp-comm-{group_name or 'default'}", inline=self.transport.runs_inline)
@@ -607,6 +608,17 @@ def _one_tensor(op: str, tensors: list[torch.Tensor]) -> None:
 def _same_ops(op: ops.RedOp, tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         ops.check_op_for_dtype(op, t.dtype)
+
+
+def _own_keys(store, world_size: int):
+    """The part of ``store`` this incarnation of the group writes to. A group destroyed and made
+    again under the same store prefix (destroy_process_group and a new init_process_group on
+    torchrun's agent store) found the keys its last incarnation left: the shared-memory segment's
+    name (the file was gone: FileNotFoundError), gloo's and NCCL's rendezvous addresses. Every
+    rank of the group adds 1 while the group is made, and cannot finish making it before all have
+    (each transport meets every rank there), so each computes the same number."""
+    incarnation = (store.add("smddp/incarnations", 1) - 1) // world_size
+    return dist.PrefixStore(f"smddp/{incarnation}", store)
 
 
 def create_process_group(dist_backend_opts, backend_options=None) -> ProcessGroupSMDDP:

@@ -46,7 +46,7 @@ def init(backend: str = BACKEND_NAME, init_method: str | None = None, rank: int 
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if init_method is not None or rank is not None or world_size is not None:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs)
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ and not _set_by_mpi_rendezvous():
         dist.init_process_group(backend, init_method="env://", **kwargs)
     elif _launched_by_mpi():
         store, rank, world_size = _mpi_rendezvous(timeout)
@@ -79,7 +79,21 @@ def _mpi_rendezvous(timeout: timedelta | None):
     host, port = world.bcast(address, root=0)
     if rank != 0:
         store = dist.TCPStore(host, port, size, is_master=False, timeout=store_timeout)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local.Get_rank()),
-                      LOCAL_WORLD_SIZE=str(local.Get_size()), MASTER_ADDR=host, MASTER_PORT=str(port))
+    _MPI_ENV.clear()
+    _MPI_ENV.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local.Get_rank()),
+                    LOCAL_WORLD_SIZE=str(local.Get_size()), MASTER_ADDR=host, MASTER_PORT=str(port))
+    os.environ.update(_MPI_ENV)
     local.Free()
     return store, rank, size
+
+
+_MPI_ENV: dict[str, str] = {}
+"""The variables the last MPI rendezvous set for code that reads them (RANK, MASTER_PORT, ...)."""
+
+
+def _set_by_mpi_rendezvous() -> bool:
+    """Whether RANK and the rest are the ones an earlier MPI rendezvous of this process set. A
+    new init (after destroy_process_group) must then meet again through MPI: taken as torchrun's,
+    they sent every rank to the old store's port, where rank 0 had opened a new one, and ranks
+    timed out or were reset now and then."""
+    return bool(_MPI_ENV) and all(os.environ.get(k) == v for k, v in _MPI_ENV.items())

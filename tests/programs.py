@@ -842,3 +842,26 @@ def scratch_kept(numel: int = 1 << 21) -> dict:
     right = bool((t == world).all()) and bool((out == world).all())
     dist.destroy_process_group()
     return {"kept": kept, "right": right}
+
+
+def made_again(times: int = 3) -> dict:
+    """init, an all_reduce and a send/recv, destroy; again, on the same store (torchrun's agent
+    store, or mpiexec's): each incarnation of the group must not meet the keys the last one left
+    (the shared-memory segment's name, rendezvous addresses, the pair links')."""
+    rank = world = None
+    got = []
+    for k in range(times):
+        smddp_lite.init(timeout=timedelta(seconds=30))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        total = torch.full((5,), float(rank + 10 * k))
+        dist.all_reduce(total)
+        after, before = (rank + 1) % world, (rank - 1) % world
+        out = torch.empty(5)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((5,), float(rank + 10 * k)), after),
+                                        dist.P2POp(dist.irecv, out, before)])
+        for w in works:
+            w.wait()
+        got.append([float(total[0]), float(out[0])])
+        dist.destroy_process_group()
+    want = [[float(sum(range(world)) + 10 * k * world), float(before + 10 * k)] for k in range(times)]
+    return {"got": got, "want": want}

@@ -53,3 +53,30 @@ def test_mpi_all_reduce_larger_than_one_piece_is_exact():
     results = harness.launch_mpi("tests.programs:large_all_reduce", 2, numel=numel)
     assert harness.values(results) == [0, 0]
     assert "uses transport mpi" in results[0].output, results[0].output
+
+
+MADE_AGAIN = {  # name: (ranks, launch arguments)
+    "shm": (2, {"env": {"SMDDP_TRANSPORT": "shm"}}),
+    "gloo": (3, {"env": {"SMDDP_TRANSPORT": "gloo"}}),
+    "hierarchical-2x2": (4, {"env": {"SMDDP_ALGORITHM": "hierarchical"}, "hosts_of": 2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MADE_AGAIN))
+def test_group_destroyed_and_made_again_on_the_same_store(name):
+    """destroy_process_group and init_process_group again, three times, on torchrun's agent
+    store: the shm transport's second init opened the first one's segment name (the file was
+    gone) before the group's keys were kept apart per incarnation."""
+    ranks, kwargs = MADE_AGAIN[name]
+    for rank, report in enumerate(harness.values(harness.launch("tests.programs:made_again", ranks, timeout=180,
+                                                                **kwargs))):
+        assert report["got"] == report["want"], (rank, report)
+
+
+@pytest.mark.mpi
+def test_group_destroyed_and_made_again_under_mpiexec():
+    if harness.mpiexec() is None:
+        pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+    results = harness.launch_mpi("tests.programs:made_again", 2, env={"SMDDP_TRANSPORT": "mpi"}, timeout=180)
+    for rank, report in enumerate(harness.values(results)):
+        assert report["got"] == report["want"], (rank, report)
