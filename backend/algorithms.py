@@ -149,7 +149,7 @@ class Collectives:
         for group in _by_dtype(tensors):
             flat, unpack = _pack(group)
             self._agree("broadcast", flat.dtype, flat.numel(), root)
-            wire = flat.view(torch.uint8) if flat.dtype is torch.bool else flat
+            wire = _bytes_of_bool(flat)
             self.transport.broadcast(wire, root)
             if self.rank != root:
                 unpack()
@@ -168,8 +168,7 @@ class Collectives:
         src, _ = _flat(input)
         dst, unpack = _flat(output)
         self._agree(op, src.dtype, src.numel())
-        if src.dtype is torch.bool:
-            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+        src, dst = _bytes_of_bool(src), _bytes_of_bool(dst)
         getattr(self.transport, op)(dst, src)
         unpack()
 
