@@ -101,6 +101,15 @@ def mpiexec() -> str | None:
     return shutil.which("mpiexec") or shutil.which("mpirun")
 
 
+def skip_without_mpiexec() -> None:
+    """Skip the calling test, saying what to install, where mpi4py or an MPI launcher is missing
+    (CI installs both: they come with ``.[test]``)."""
+    if mpiexec() is None:
+        import pytest
+
+        pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+
+
 def launch_mpi(target: str, world_size: int, *, env: dict[str, str] | None = None, timeout: float = 180,
                prefix: list[str] | None = None, **kwargs: Any) -> list[RankResult]:
     """Run ``target`` under ``mpiexec -n world_size`` (no RANK/WORLD_SIZE: the MPI way).

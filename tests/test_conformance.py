@@ -79,8 +79,8 @@ def _job(name: str, world: int, backend: str, env_items: tuple, launcher: str):
 
 @pytest.mark.parametrize("name, world, backend, env, launcher, group", PARAMS)
 def test_conformance(name, world, backend, env, launcher, group):
-    if launcher == "mpi" and harness.mpiexec() is None:
-        pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+    if launcher == "mpi":
+        harness.skip_without_mpiexec()
     reports = _job(name, world, backend, tuple(sorted(env.items())), launcher)
     failures = []
     ran = 0

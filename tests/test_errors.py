@@ -74,8 +74,7 @@ def test_uneven_all_to_all_sizes_that_disagree_raise_on_every_rank(transport):
     raises nothing when the sizes disagree, and gloo notices only some disagreements."""
     env = {"SMDDP_TRANSPORT": transport}
     if transport == "mpi":
-        if harness.mpiexec() is None:
-            pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+        harness.skip_without_mpiexec()
         results = harness.launch_mpi("tests.programs:uneven_splits_disagree", 2, env=env)
     else:
         results = harness.launch("tests.programs:uneven_splits_disagree", 2, env=env)
@@ -119,8 +118,7 @@ REFUSAL_CASES = [(transport, "dtype") for transport in sorted(REFUSAL_LAUNCHES) 
 def test_rank_refusing_a_call_releases_its_waiting_peers(transport, kind, retry):
     world, launch = REFUSAL_LAUNCHES[transport]
     if transport == "mpi":
-        if harness.mpiexec() is None:
-            pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+        harness.skip_without_mpiexec()
         reports = harness.values(harness.launch_mpi("tests.programs:one_rank_refuses", world, retry=retry, kind=kind,
                                                     **launch))
     else:

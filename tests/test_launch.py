@@ -37,8 +37,7 @@ def test_file_init_method():
 @pytest.mark.mpi
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_mpirun_without_rank_variables(world):
-    if harness.mpiexec() is None:
-        pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+    harness.skip_without_mpiexec()
     values = _expect(harness.launch_mpi("tests.programs:init_auto", world), world)
     assert [v["env_rank"] for v in values] == [str(r) for r in range(world)]
 
@@ -47,8 +46,7 @@ def test_mpirun_without_rank_variables(world):
 def test_mpi_all_reduce_larger_than_one_piece_is_exact():
     """The MPI transport splits an all_reduce above 16 MiB into pieces (MPICH is slow on larger
     ones); 2 pieces and a ragged tail must still give every element its exact sum."""
-    if harness.mpiexec() is None:
-        pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+    harness.skip_without_mpiexec()
     numel = 2 * (16 << 20) // 4 + 1001
     results = harness.launch_mpi("tests.programs:large_all_reduce", 2, numel=numel)
     assert harness.values(results) == [0, 0]
@@ -75,8 +73,7 @@ def test_group_destroyed_and_made_again_on_the_same_store(name):
 
 @pytest.mark.mpi
 def test_group_destroyed_and_made_again_under_mpiexec():
-    if harness.mpiexec() is None:
-        pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+    harness.skip_without_mpiexec()
     results = harness.launch_mpi("tests.programs:made_again", 2, env={"SMDDP_TRANSPORT": "mpi"}, timeout=180)
     for rank, report in enumerate(harness.values(results)):
         assert report["got"] == report["want"], (rank, report)

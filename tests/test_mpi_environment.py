@@ -24,8 +24,7 @@ pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the secc
 
 
 def _needs_mpi() -> None:
-    if harness.mpiexec() is None:
-        pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+    harness.skip_without_mpiexec()
 
 
 def test_the_probe_sees_the_seccomp_rule():

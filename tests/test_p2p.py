@@ -24,8 +24,7 @@ def test_send_recv_deliver_in_order_by_tag(name):
 
 @pytest.mark.mpi
 def test_send_recv_under_mpiexec():
-    if harness.mpiexec() is None:
-        pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+    harness.skip_without_mpiexec()
     results = harness.launch_mpi("tests.programs:point_to_point", 3, env={"SMDDP_TRANSPORT": "mpi"}, timeout=180)
     for rank, problems in enumerate(harness.values(results)):
         assert problems == {}, f"rank {rank}: {problems}"

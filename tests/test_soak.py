@@ -41,8 +41,7 @@ JOBS = [
 @pytest.mark.parametrize("transport, world, env, layout, launcher", JOBS)
 def test_memory_stays_flat_over_thousands_of_collectives(transport, world, env, layout, launcher):
     if launcher == "mpi":
-        if harness.mpiexec() is None:
-            pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+        harness.skip_without_mpiexec()
         results = harness.launch_mpi("tests.programs:soak", world, env=env, timeout=600,
                                      rounds=ROUNDS, checkpoints=CHECKPOINTS, compare_from=COMPARE_FROM)
     else:
