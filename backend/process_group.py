@@ -616,9 +616,12 @@ def _own_keys(store, world_size: int):
     torchrun's agent store) found the keys its last incarnation left: the shared-memory segment's
     name (the file was gone: FileNotFoundError), gloo's and NCCL's rendezvous addresses. Every
     rank of the group adds 1 while the group is made, and cannot finish making it before all have
-    (each transport meets every rank there), so each computes the same number."""
-    incarnation = (store.add("smddp/incarnations", 1) - 1) // world_size
-    return dist.PrefixStore(f"smddp/{incarnation}", store)
+    (each transport meets every rank there), so each computes the same number. The count is kept
+    per group size: torch names subgroups by a counter that destroy_process_group resets, so a
+    prefix may next serve a group of another size, and one shared count would then start
+    mid-group (a 2-rank group's count read by a 4-rank one gave incarnations 0, 0, 1, 1)."""
+    incarnation = (store.add(f"smddp/incarnations/{world_size}", 1) - 1) // world_size
+    return dist.PrefixStore(f"smddp/{world_size}/{incarnation}", store)
 
 
 def create_process_group(dist_backend_opts, backend_options=None) -> ProcessGroupSMDDP:

@@ -46,8 +46,8 @@ class BackendConfig:
     Env: ``SMDDP_SHM_CHUNK_BYTES``."""
 
     scratch_max_bytes: int = 256 << 20
-    """The largest working buffer a group keeps between calls (float32 copies of 16-bit
-    messages, backend/scratch.py): reusing one saves the page faults of a fresh one (a 64 MiB
+    """The largest working buffer a group keeps between calls, per use and dtype (float32
+    copies of 16-bit messages, backend/scratch.py; a group has a few such uses): reusing one saves the page faults of a fresh one (a 64 MiB
     bfloat16 message widened in 6 ms instead of 50), but a group keeps it until destroyed.
     Larger messages get a fresh buffer each call. Env: ``SMDDP_SCRATCH_MAX_BYTES``."""
 

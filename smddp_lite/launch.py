@@ -92,8 +92,9 @@ _MPI_ENV: dict[str, str] = {}
 
 
 def _set_by_mpi_rendezvous() -> bool:
-    """Whether RANK and the rest are the ones an earlier MPI rendezvous of this process set. A
+    """Whether RANK and WORLD_SIZE are the ones an earlier MPI rendezvous of this process set. A
     new init (after destroy_process_group) must then meet again through MPI: taken as torchrun's,
     they sent every rank to the old store's port, where rank 0 had opened a new one, and ranks
-    timed out or were reset now and then."""
-    return bool(_MPI_ENV) and all(os.environ.get(k) == v for k, v in _MPI_ENV.items())
+    timed out or were reset now and then. Only these two are compared, so that every rank decides
+    alike when code rewrites MASTER_ADDR or the like on some ranks."""
+    return bool(_MPI_ENV) and all(os.environ.get(k) == _MPI_ENV[k] for k in ("RANK", "WORLD_SIZE"))

@@ -186,6 +186,16 @@ def case_gather_input_in_output(rank, world):
     return _mismatch(out, torch.cat([seeded((17,), r, torch.float32) for r in range(world)]))
 
 
+def case_scatter_output_in_input(rank, world):
+    """Rank 0 scatters from a tensor whose block 1 is its own output: the other blocks must
+    leave before that block is written."""
+    x = on_device(torch.cat([seeded((17,), q, torch.float32) for q in range(world)]))
+    blocks = list(x.chunk(world))
+    out = blocks[1] if rank == 0 and world > 1 else empty((17,), torch.float32)
+    dist.scatter(out, blocks if rank == 0 else None, src=0)
+    return _mismatch(out, seeded((17,), rank, torch.float32))
+
+
 def case_scatter(shape, dtype, rank, world, root, adjacent):
     ins = None
     if rank == root:
@@ -332,6 +342,7 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
     yield "async", "pipeline", case_async_pipeline, {}
     yield "objects", "gather_scatter_all_gather_broadcast", case_objects, {}
     yield "gather", "input_in_another_block_of_the_output", case_gather_input_in_output, {}
+    yield "scatter", "output_in_another_block_of_the_input", case_scatter_output_in_input, {}
     yield "barrier", "three", case_barrier, {}
     yield "subgroup", "odd_even", case_subgroup, {}
 

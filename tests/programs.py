@@ -865,3 +865,20 @@ def made_again(times: int = 3) -> dict:
         dist.destroy_process_group()
     want = [[float(sum(range(world)) + 10 * k * world), float(before + 10 * k)] for k in range(times)]
     return {"got": got, "want": want}
+
+
+def subgroup_made_again() -> dict:
+    """torch names subgroups by a counter that destroy_process_group resets: after a new init, the
+    second subgroup's name (and store prefix) is the first one's, here for a group of another
+    size (2 ranks, then all 4). Each must count its incarnations apart."""
+    sums = []
+    for members in ([0, 1], [0, 1, 2, 3]):
+        smddp_lite.init(timeout=timedelta(seconds=30))
+        rank = dist.get_rank()
+        group = dist.new_group(members)
+        t = torch.ones(3)
+        if rank in members:
+            dist.all_reduce(t, group=group)
+        sums.append(float(t[0]))
+        dist.destroy_process_group()
+    return {"sums": sums}

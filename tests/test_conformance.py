@@ -45,6 +45,13 @@ NO_CUPY = pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
                              reason="needs cupy with NCCL: pip install -e '.[cuda12]' (or cuda13)")
 
 
+# cases torch's own gloo backend gets wrong, which smddp must not
+REFERENCE_GETS_WRONG = {
+    # gloo writes the root's own block into the output while it still sends the others from the input
+    "scatter/output_in_another_block_of_the_input",
+}
+
+
 def _marks(name: str, launcher: str) -> list:
     if launcher == "mpi":
         return [pytest.mark.mpi]
@@ -89,7 +96,7 @@ def test_conformance(name, world, backend, env, launcher, group):
             if not case.startswith(group + "/"):
                 continue
             ran += 1
-            if status == "ok" or (backend == "gloo" and status.startswith("raised")):
+            if status == "ok" or (backend == "gloo" and (status.startswith("raised") or case in REFERENCE_GETS_WRONG)):
                 continue
             failures.append(f"rank {rank} {case}: {status}")
     assert ran > 0, f"no cases ran for {group}"

@@ -77,3 +77,9 @@ def test_group_destroyed_and_made_again_under_mpiexec():
     results = harness.launch_mpi("tests.programs:made_again", 2, env={"SMDDP_TRANSPORT": "mpi"}, timeout=180)
     for rank, report in enumerate(harness.values(results)):
         assert report["got"] == report["want"], (rank, report)
+
+
+def test_subgroup_name_reused_for_a_group_of_another_size():
+    results = harness.values(harness.launch("tests.programs:subgroup_made_again", 4, timeout=120))
+    for rank, report in enumerate(results):
+        assert report["sums"] == [2.0 if rank < 2 else 1.0, 4.0], (rank, report)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..errors import PeerFailureError
 from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum
 from ..scratch import DEFAULT_MAX_BYTES, Scratch
-from .base import Transport
+from .base import Transport, overlap
 from .refusals import POLL
 
 _TORCH_OP = {
@@ -177,6 +177,8 @@ class GlooTransport(Transport):
         # gloo's own: each rank receives its block only (the default broadcasts the root's whole input)
         opts = dist.ScatterOptions()
         opts.rootRank = root
+        if input is not None and overlap(input, output):  # gloo writes the root's block while it still sends the others
+            input = input.clone()
         inputs = [list(input.view(self.world_size, -1))] if input is not None else []
         self._run("scatter", self._pg.scatter([output], inputs, opts))
 

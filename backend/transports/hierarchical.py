@@ -98,7 +98,7 @@ class HierarchicalTransport(Transport):
         self.intra = intra_factory(dist.PrefixStore(f"intra{self.node}", store), self.local_rank, self.per_node)
         self.inter = GlooTransport(dist.PrefixStore(f"inter{self.local_rank}", store), self.node, self.nodes, timeout,
                                    config.scratch_max_bytes)
-        self.flat = GlooTransport(dist.PrefixStore("flat", store), rank, world_size, timeout)
+        self.flat = GlooTransport(dist.PrefixStore("flat", store), rank, world_size, timeout, config.scratch_max_bytes)
         # (L, N): for each local index j, the ranks with that index, host by host; the order in
         # which the inter-host groups' blocks sit after the step inside the host
         self.by_local_index = [topology.local[k][j] for j in range(self.per_node) for k in range(self.nodes)]

@@ -119,7 +119,7 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
                 return ShmTransport(sub_store, sub_rank, sub_size, config.shm_chunk_bytes, timeout)
             from .gloo import GlooTransport
 
-            return GlooTransport(sub_store, sub_rank, sub_size, timeout)
+            return GlooTransport(sub_store, sub_rank, sub_size, timeout, config.scratch_max_bytes)
 
         return HierarchicalTransport(store, rank, world_size, Topology(hosts), intra, timeout, config), reason
     if name == "mpi":
