@@ -35,7 +35,7 @@ except Exception as exc:  # any failure matters only when "smddp" is requested
     smddp_lite, SMDDP_IMPORT_ERROR = None, exc
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
-       "sendrecv")
+       "all_to_all_skewed", "sendrecv")
 REDUCING_OPS = {"all_reduce", "reduce_scatter", "reduce"}
 ROOTED_OPS = {"broadcast", "reduce", "gather", "scatter"}
 DTYPES = {  # --dtype: (torch dtype, nccl-tests type name)
@@ -205,6 +205,15 @@ def pattern(rank, start, length, prod):
     return (rank + i) % 2 + 1 if prod else ((rank + 1) * 3 + i) % 7 + 1
 
 
+def skewed_splits(count, n):
+    """all_to_all_skewed's block sizes, the same on every rank: MoE routing with a hot expert.
+    Rank q receives a share 2^(n-1-q) / (2^n - 1) of every rank's ``count`` elements (rank 0 the
+    most: 2/3 at 2 ranks, 8/15 at 4), and rank 0 also the rounding remainder."""
+    shares = [count * 2 ** (n - 1 - q) // (2**n - 1) for q in range(n)]
+    shares[0] += count - sum(shares)
+    return shares
+
+
 def build_case(op, count, in_place, job, group):
     n, rank, prod, redop = job.world, job.rank, job.redop == "prod", REDOPS[job.redop]
     new = lambda numel: torch.empty(numel, dtype=job.dtype, device=job.device)
@@ -220,7 +229,8 @@ def build_case(op, count, in_place, job, group):
         return Case(run, lambda: load(inp, rank), out)
     # the others have no in-place form in torch's API, so both columns time the same call on
     # dedicated buffers: two independent measurements. Sizes are the whole message (nccl-tests):
-    # gather's output, scatter's input, every block of all_to_all; sendrecv sends all of it.
+    # gather's output, scatter's input, every block of all_to_all (each rank's input, for the skewed one
+    # too); sendrecv sends all of it.
     k, root = count // n, job.root
     if op == "gather":
         inp, out = new(k), new(count)
@@ -233,6 +243,12 @@ def build_case(op, count, in_place, job, group):
     if op == "all_to_all":
         inp, out = new(count), new(count)
         return Case(lambda: dist.all_to_all_single(out, inp, group=group), lambda: load(inp, rank), out)
+    if op == "all_to_all_skewed":  # rank q receives splits[q] elements from every rank
+        splits = skewed_splits(count, n)
+        inp, out = new(count), new(n * splits[rank])
+        run = lambda: dist.all_to_all_single(out, inp, output_split_sizes=[splits[rank]] * n,
+                                             input_split_sizes=splits, group=group)
+        return Case(run, lambda: load(inp, rank), out)
     if op == "sendrecv":  # a ring: each rank sends to the next and receives from the one before
         inp, out = new(count), new(count)
         after, before = (rank + 1) % n, (rank - 1) % n
@@ -272,6 +288,9 @@ def expected_result(op, count, job):
         return pattern(job.root, job.rank * k, k, prod)
     if op == "all_to_all":  # block q comes from rank q's block of this rank
         return torch.cat([pattern(q, job.rank * k, k, prod) for q in range(n)])
+    if op == "all_to_all_skewed":  # block q: this rank's block of rank q's input
+        splits = skewed_splits(count, n)
+        return torch.cat([pattern(q, sum(splits[: job.rank]), splits[job.rank], prod) for q in range(n)])
     if op == "sendrecv":
         return pattern((job.rank - 1) % n, 0, count, prod)
     start, length = (job.rank * (count // n), count // n) if op == "reduce_scatter" else (0, count)
@@ -326,7 +345,8 @@ def measure(case, expected, job, group, iters):
 def bus_factor(op, n):
     """nccl-tests: busbw = algbw * factor is comparable to the link speed."""
     return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "gather": (n - 1) / n, "scatter": (n - 1) / n, "all_to_all": (n - 1) / n}.get(op, 1.0)
+            "gather": (n - 1) / n, "scatter": (n - 1) / n, "all_to_all": (n - 1) / n,
+            "all_to_all_skewed": (n - 1) / n}.get(op, 1.0)
 
 
 def make_row(op, size, backend, results, job):
