@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .errors import CollectiveMismatchError, PeerRefusedError, where
 from .ops import DTYPES, LOW_PRECISION, RedOp, as_sum
 from .scratch import DEFAULT_MAX_BYTES, Scratch
-from .transports.base import Transport, block_offsets, overlap
+from .transports.base import Transport, overlap
 
 _BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
             RedOp.MIN: RedOp.MIN, RedOp.PRODUCT: RedOp.MIN, RedOp.BAND: RedOp.MIN, RedOp.BXOR: RedOp.BXOR}
@@ -231,31 +231,23 @@ class Collectives:
         splits are first gathered (one small all_gather, always): a rank whose expectations differ
         from what its peers send then fails the call on every rank, naming them, before any data
         moves. Sizes change from call to call here (MoE routing), and without the check MPI
-        returned partly filled outputs without an error; the padding needs the largest block too."""
+        returned partly filled outputs without an error; the shm transport plans its steps with
+        every rank's sizes."""
         src, _ = _flat(input)
         dst, unpack = _flat(output)
         src, dst = _bytes_of_bool(src), _bytes_of_bool(dst)
         self._agree("all_to_all_v", src.dtype, 0)
-        largest = self._agreed_splits(input_splits, output_splits, row) * row
-        input_splits, output_splits = [c * row for c in input_splits], [c * row for c in output_splits]
-        if self.transport.uneven_all_to_all:
-            self.transport.all_to_all_v(dst, output_splits, src, input_splits)
-        elif largest:  # pad every block to the largest any rank sends
-            sent = torch.empty(self.world_size * largest, dtype=src.dtype)
-            received = torch.empty_like(sent)
-            for block, start, count in zip(sent.view(self.world_size, largest), block_offsets(input_splits), input_splits):
-                block[:count].copy_(src[start : start + count])
-            self.transport.all_to_all(received, sent)
-            for block, start, count in zip(received.view(self.world_size, largest), block_offsets(output_splits),
-                                           output_splits):
-                dst[start : start + count].copy_(block[:count])
+        sends = [[c * row for c in rows] for rows in self._agreed_splits(input_splits, output_splits, row)]
+        if src.numel() and dst.numel() and overlap(src, dst):
+            src = src.clone()  # blocks move to other offsets: writing the output would overwrite input not yet sent
+        self.transport.all_to_all_v(dst, [c * row for c in output_splits], src, [c * row for c in input_splits], sends)
         unpack()
 
-    def _agreed_splits(self, input_splits: list[int], output_splits: list[int], row: int) -> int:
+    def _agreed_splits(self, input_splits: list[int], output_splits: list[int], row: int) -> list[list[int]]:
         """Every rank's splits (in rows of ``row`` elements), gathered; raises
         CollectiveMismatchError on every rank (they all see the same table) where ranks' rows
-        differ in size or a rank expects other sizes than its peers send. Returns the largest
-        block, in rows, any rank sends."""
+        differ in size or a rank expects other sizes than its peers send. Returns what each
+        rank sends each rank, in rows: ``[p][q]`` from p to q."""
         w = self.world_size
         mine = torch.tensor(list(input_splits) + list(output_splits) + [row], dtype=torch.int64)
         table = torch.empty(w * (2 * w + 1), dtype=torch.int64)
@@ -277,7 +269,7 @@ class Collectives:
                 f"{'; ...' if len(wrong) > 8 else ''}). Rank q's output_split_sizes[p] must equal rank p's "
                 "input_split_sizes[q] (and list all_to_all's tensor sizes likewise)."
             )
-        return max((max(row[:w], default=0) for row in rows), default=0)
+        return [r[:w] for r in rows]
 
     def barrier(self) -> None:
         self._agree("barrier", None, 0)

@@ -228,6 +228,20 @@ def case_all_to_all_uneven(dtype, rank, world, form, scale, width):
     return _mismatch(out, torch.cat(want))
 
 
+def case_all_to_all_uneven_in_place(rank, world):
+    """An uneven all_to_all_single whose output is its input. Sizes are symmetric (rank p sends
+    rank q what q sends p), so every rank's total stays the same, but a block's place in the
+    sender's input differs from its place in the receiver's output, and the blocks span several
+    shm steps: writing received blocks must not overwrite input that has not left yet."""
+    rows = lambda p, q: (uneven_rows(p, q, 3000) + uneven_rows(q, p, 3000)) // 2 + 100 * (p + q)
+    width = 33
+    x = on_device(torch.cat([seeded((rows(rank, q), width), rank * world + q, torch.float32) for q in range(world)]))
+    splits = [rows(rank, q) for q in range(world)]
+    dist.all_to_all_single(x, x, output_split_sizes=splits, input_split_sizes=splits)
+    return _mismatch(x, torch.cat([seeded((rows(q, rank), width), q * world + rank, torch.float32)
+                                   for q in range(world)]))
+
+
 def case_objects(rank, world):
     """The object collectives a validation loop uses: each pickles into byte tensors and calls
     gather, scatter, all_gather or broadcast."""
@@ -343,6 +357,7 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
     yield "objects", "gather_scatter_all_gather_broadcast", case_objects, {}
     yield "gather", "input_in_another_block_of_the_output", case_gather_input_in_output, {}
     yield "scatter", "output_in_another_block_of_the_input", case_scatter_output_in_input, {}
+    yield "all_to_all_uneven", "output_is_the_input", case_all_to_all_uneven_in_place, {}
     yield "barrier", "three", case_barrier, {}
     yield "subgroup", "odd_even", case_subgroup, {}
 

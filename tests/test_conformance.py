@@ -49,6 +49,8 @@ NO_CUPY = pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
 REFERENCE_GETS_WRONG = {
     # gloo writes the root's own block into the output while it still sends the others from the input
     "scatter/output_in_another_block_of_the_input",
+    # gloo writes received blocks over the input while later parts of it are still to be sent
+    "all_to_all_uneven/output_is_the_input",
 }
 
 

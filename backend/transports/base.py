@@ -57,10 +57,6 @@ class Transport(abc.ABC):
     role: str = ""
     """What this transport's steps are to the user's group (the hierarchical transport's parts:
     "within the host", "between hosts"), for error messages."""
-    uneven_all_to_all: bool = False
-    """True when the transport has ``all_to_all_v`` (blocks of any size, as MPI's alltoallv and
-    gloo's alltoall with split sizes). Without it the algorithms layer pads every block to the
-    largest one any rank sends and runs ``all_to_all``."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -118,12 +114,13 @@ class Transport(abc.ABC):
         """``output`` (n,) receives block ``rank`` of the root's ``input`` (world_size * n,);
         ``input`` is None on the other ranks."""
 
+    @abc.abstractmethod
     def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
-                     input_splits: list[int]) -> None:
+                     input_splits: list[int], sends: list[list[int]]) -> None:
         """Block ``q`` of ``input`` (``input_splits[q]`` elements) goes to rank ``q``, whose
-        ``output_splits[rank]`` says as much; blocks lie in rank order. Only where
-        ``uneven_all_to_all`` is True."""
-        raise NotImplementedError(f"the {self.name} transport has no uneven all_to_all")
+        ``output_splits[rank]`` says as much; blocks lie in rank order. ``sends[p][q]``: the
+        elements rank p sends rank q, for every pair, the same on every rank (the algorithms
+        layer has gathered and checked them), for transports that plan with them."""
 
     def signature_check(self, signature: list[int]) -> list[list[int]]:
         """Every rank's ``signature`` (op, dtype, numel, arg), gathered with the transport itself."""

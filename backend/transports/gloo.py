@@ -39,7 +39,6 @@ class GlooTransport(Transport):
     # can cross as they are and be summed (and an AVG divided) in float32: the widened float32
     # blocks it received before gave the same bits in twice the bytes
     reduce_scatters_16_bit = frozenset(LOW_PRECISION)
-    uneven_all_to_all = True  # gloo's alltoall takes split sizes
 
     def __init__(self, store, rank: int, world_size: int, timeout, scratch_max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         super().__init__(rank, world_size)
@@ -162,7 +161,7 @@ class GlooTransport(Transport):
         return lambda: self._run("all_to_all", work)
 
     def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
-                     input_splits: list[int]) -> None:
+                     input_splits: list[int], sends: list[list[int]]) -> None:
         work = self._pg.alltoall_base(output, input, list(output_splits), list(input_splits), dist.AllToAllOptions())
         self._run("all_to_all", work)
 

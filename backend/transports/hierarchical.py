@@ -81,7 +81,6 @@ class HierarchicalTransport(Transport):
     # and its bfloat16 AVG all_reduce sums the host sums in float32 between hosts, divides there
     # and rounds once (_start_compressed_sum), so bfloat16 crosses the network as it is
     all_reduces_16_bit_avg = frozenset({torch.bfloat16})
-    uneven_all_to_all = True  # the flat gloo group's
 
     def __init__(self, store, rank: int, world_size: int, topology: Topology, intra_factory, timeout, config) -> None:
         super().__init__(rank, world_size)
@@ -326,8 +325,8 @@ class HierarchicalTransport(Transport):
         self.flat.all_to_all(output, input)
 
     def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
-                     input_splits: list[int]) -> None:
-        self.flat.all_to_all_v(output, output_splits, input, input_splits)
+                     input_splits: list[int], sends: list[list[int]]) -> None:
+        self.flat.all_to_all_v(output, output_splits, input, input_splits, sends)
 
     # gloo's own gather and scatter: only the root receives, or each rank its block
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:

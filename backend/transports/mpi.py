@@ -56,7 +56,6 @@ def _unaliased(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 class MPITransport(Transport):
     name = "mpi"
-    uneven_all_to_all = True  # MPI_Alltoallv
 
     def __init__(self, rank: int, world_size: int, global_ranks: list[int] | None, timeout) -> None:
         super().__init__(rank, world_size)
@@ -158,7 +157,7 @@ class MPITransport(Transport):
         self._run("all_to_all", lambda: self.comm.Ialltoall(_buf(_unaliased(input, output)), _buf(output)))
 
     def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
-                     input_splits: list[int]) -> None:
+                     input_splits: list[int], sends: list[list[int]]) -> None:
         send = [_buf(_unaliased(input, output)), (list(input_splits), block_offsets(input_splits))]
         receive = [_buf(output), (list(output_splits), block_offsets(output_splits))]
         self._run("all_to_all", lambda: self.comm.Ialltoallv(send, receive))

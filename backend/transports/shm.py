@@ -18,13 +18,13 @@ from __future__ import annotations
 import torch
 
 from ..ops import COMBINE, DTYPE_BY_CODE, LOW_PRECISION, RedOp, as_sum, dtype_name
-from .base import Transport, dtype_code
+from .base import Transport, block_offsets, dtype_code
 from .shm_segment import ShmSegment
 
 ONE_SHOT_BYTES = 16 << 10  # all_reduce below this size uses one barrier (see all_reduce)
 
 _OP_CODES = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "reduce_scatter": 5,
-             "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9}
+             "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9, "all_to_all_v": 10}
 _OP_NAMES = {code: name for name, code in _OP_CODES.items()}
 
 
@@ -192,6 +192,29 @@ class ShmTransport(Transport):
             self._sync(header if start == 0 else None)
             for q in range(w):
                 output[q * n + start : q * n + stop].copy_(self.seg.slot(self.step, q, input.dtype)[r * k : (r + 1) * k])
+
+    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
+                     input_splits: list[int], sends: list[list[int]]) -> None:
+        """Blocks of any size. Each rank's input is one stream, its blocks in rank order; step s
+        stages a chunk of every rank's stream, elements [s C, (s + 1) C), with one copy, and each
+        rank copies out the part of each peer's chunk that falls in the peer's block for it
+        (``sends`` says where that is). So every slot is full on every step but the last, however
+        skewed the sizes. (Before, every block was padded to the largest one any rank sends: two
+        fresh buffers of world_size x that block on every call, and the padding moved too.)"""
+        r, w = self.rank, self.world_size
+        totals = [sum(row) for row in sends]
+        header = self._begin("all_to_all_v", input.dtype, sum(totals), 0)
+        mine_at = [sum(row[:r]) for row in sends]  # where my block starts in rank p's stream
+        out_at = block_offsets(output_splits)
+        for start, stop in self._steps(max(totals), input.element_size()):
+            staged = max(0, min(stop, totals[r]) - start)
+            self.seg.slot(self.step, r, input.dtype)[:staged].copy_(input[start : start + staged])
+            self._sync(header if start == 0 else None)
+            for p in range(w):
+                lo, hi = max(start, mine_at[p]), min(stop, mine_at[p] + sends[p][r])
+                if lo < hi:
+                    at = out_at[p] + lo - mine_at[p]
+                    output[at : at + hi - lo].copy_(self.seg.slot(self.step, p, input.dtype)[lo - start : hi - start])
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
         # all_gather's steps, with only the root reading: the others write and pass the barrier
