@@ -56,8 +56,7 @@ def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     first = tensors[0] if tensors else None
     if first is None or not all(t.is_contiguous() and t.dtype == first.dtype for t in tensors):
         return None
-    size, start = first.element_size(), first.data_ptr()
-    at = start
+    size, at = first.element_size(), first.data_ptr()
     for t in tensors:
         if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.data_ptr() != at:
             return None
@@ -220,7 +219,7 @@ class Collectives:
         if self.rank == root:
             everything = _adjacent(inputs)
             if everything is None:
-                everything = torch.cat([t.reshape(-1) for t in inputs])
+                everything, _ = _pack(inputs)
         self.transport.scatter(_bytes_of_bool(dst), _bytes_of_bool(everything), root)
         unpack()
 

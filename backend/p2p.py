@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import PeerFailureError, SMDDPError
-from .work import FutureOnRequest, _set_none
+from .work import FutureOnRequest, complete_with_none
 
 
 class PointToPointWork(dist._Work):
@@ -74,7 +74,7 @@ class PointToPointWork(dist._Work):
                 self._wait_for_gloo(time.monotonic() + limit, limit)
                 self._finished = ended_now = True
         if ended_now:  # outside the lock: the future's callbacks may touch this work again
-            self._future.end(_set_none)
+            self._future.end(complete_with_none)
         if self._error is not None:
             raise self._error
         return True
@@ -128,7 +128,7 @@ class PointToPointWork(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         """Gloo's send and recv work has no future: a thread waits for this one and completes it."""
-        future = self._future.get(_set_none)
+        future = self._future.get(complete_with_none)
         with self._lock:
             if not self._finished and self._watcher is None:
                 self._watcher = threading.Thread(target=self._watch, daemon=True, name="smddp-p2p-future")

@@ -69,7 +69,9 @@ class FutureOnRequest:
         return self._completion
 
 
-def _set_none(completion: torch.futures.Future) -> None:
+def complete_with_none(completion: torch.futures.Future) -> None:
+    """The ``complete`` a Work passes to FutureOnRequest: the completion carries no value, since
+    its ``then`` callback (``outcome``) gives the future handed out the outputs or the error."""
     completion.set_result(None)
 
 
@@ -101,7 +103,7 @@ class SMDDPWork(dist._Work):
     # called by the communication thread
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
-        self._future.end(_set_none)  # runs _outcome: completes the future with the outputs or the error
+        self._future.end(complete_with_none)  # runs _outcome: completes the future with the outputs or the error
         # only now: whoever sees the work finished (wait, is_completed) may read its future at once
         self._finished = True
         self._running.release()
@@ -136,7 +138,7 @@ class SMDDPWork(dist._Work):
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
-        return self._future.get(_set_none)
+        return self._future.get(complete_with_none)
 
     def result_tensors(self) -> list[torch.Tensor]:
         """The tensors the collective writes (its future's value), without waiting."""
