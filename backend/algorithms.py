@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveMismatchError, PeerRefusedError, where
-from .ops import DTYPES, LOW_PRECISION, RedOp, as_sum
+from .ops import LOW_PRECISION, RedOp, as_sum, moved_as_bytes, signature_code
 from .scratch import DEFAULT_MAX_BYTES, Scratch
 from .transports.base import Transport, overlap
 
@@ -65,9 +65,10 @@ def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), first.storage_offset(), (total,))
 
 
-def _bytes_of_bool(t: torch.Tensor | None) -> torch.Tensor | None:
-    """Bool tensors travel as the uint8 bytes they are (no transport has a bool type)."""
-    return t.view(torch.uint8) if t is not None and t.dtype is torch.bool else t
+def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A flat tensor that an op only moves, as its uint8 bytes where ``moved_as_bytes`` says so
+    (bool, float8, int16, ...): transports move the dtypes they reduce, and bytes."""
+    return t.view(torch.uint8) if t is not None and moved_as_bytes(t.dtype) else t
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -92,7 +93,7 @@ class Collectives:
         """When enabled, verify that every rank calls the same op on the same size and dtype."""
         if not self._check:
             return
-        mine = [_SIGNATURE_OPS[op], DTYPES[dtype] if dtype else 0, numel, arg]
+        mine = [_SIGNATURE_OPS[op], signature_code(dtype) if dtype else 0, numel, arg]
         try:
             everyone = self.transport.signature_check(mine)
         except PeerRefusedError:  # says what happened, naming this call, as it would without the check
@@ -148,7 +149,7 @@ class Collectives:
         for group in _by_dtype(tensors):
             flat, unpack = _pack(group)
             self._agree("broadcast", flat.dtype, flat.numel(), root)
-            wire = _bytes_of_bool(flat)
+            wire = _as_bytes(flat)
             self.transport.broadcast(wire, root)
             if self.rank != root:
                 unpack()
@@ -167,7 +168,7 @@ class Collectives:
         src, _ = _flat(input)
         dst, unpack = _flat(output)
         self._agree(op, src.dtype, src.numel())
-        src, dst = _bytes_of_bool(src), _bytes_of_bool(dst)
+        src, dst = _as_bytes(src), _as_bytes(dst)
         getattr(self.transport, op)(dst, src)
         unpack()
 
@@ -206,7 +207,7 @@ class Collectives:
             everyone = torch.empty(self.world_size * n, dtype=src.dtype)
         elif adjacent is not None and n and overlap(src, adjacent) and src.data_ptr() != adjacent[root * n :].data_ptr():
             src = src.clone()  # the input lies in another rank's block, which the gather overwrites first
-        self.transport.gather(_bytes_of_bool(everyone), _bytes_of_bool(src), root)
+        self.transport.gather(_as_bytes(everyone), _as_bytes(src), root)
         if everyone is not None and adjacent is None:
             for out, block in zip(outputs, everyone.view(self.world_size, n)):
                 out.copy_(block.view_as(out))
@@ -220,7 +221,7 @@ class Collectives:
             everything = _adjacent(inputs)
             if everything is None:
                 everything, _ = _pack(inputs)
-        self.transport.scatter(_bytes_of_bool(dst), _bytes_of_bool(everything), root)
+        self.transport.scatter(_as_bytes(dst), _as_bytes(everything), root)
         unpack()
 
     def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
@@ -234,12 +235,14 @@ class Collectives:
         every rank's sizes."""
         src, _ = _flat(input)
         dst, unpack = _flat(output)
-        src, dst = _bytes_of_bool(src), _bytes_of_bool(dst)
         self._agree("all_to_all_v", src.dtype, 0)
-        sends = [[c * row for c in rows] for rows in self._agreed_splits(input_splits, output_splits, row)]
+        rows = self._agreed_splits(input_splits, output_splits, row)
+        unit = row * (src.element_size() if moved_as_bytes(src.dtype) else 1)  # a row, in what the transport moves
+        src, dst = _as_bytes(src), _as_bytes(dst)
         if src.numel() and dst.numel() and overlap(src, dst):
             src = src.clone()  # blocks move to other offsets: writing the output would overwrite input not yet sent
-        self.transport.all_to_all_v(dst, [c * row for c in output_splits], src, [c * row for c in input_splits], sends)
+        self.transport.all_to_all_v(dst, [c * unit for c in output_splits], src, [c * unit for c in input_splits],
+                                    [[c * unit for c in r] for r in rows])
         unpack()
 
     def _agreed_splits(self, input_splits: list[int], output_splits: list[int], row: int) -> list[list[int]]:

@@ -34,7 +34,8 @@ _FROM_TORCH = {
     dist.ReduceOp.BXOR: RedOp.BXOR,
 }
 
-# dtype -> small code used in cross-rank signatures (order is part of the wire format).
+# The dtypes every transport reduces -> small code used in cross-rank signatures (order is part of
+# the wire format). Ops that only move data take any other dtype too, as bytes (see moved_as_bytes).
 DTYPES: dict[torch.dtype, int] = {
     torch.float32: 1,
     torch.float16: 2,
@@ -44,8 +45,13 @@ DTYPES: dict[torch.dtype, int] = {
     torch.int64: 6,
     torch.uint8: 7,
     torch.bool: 8,
+    torch.int8: 9,
 }
 DTYPE_BY_CODE = {code: dtype for dtype, code in DTYPES.items()}
+# Ops whose tensors must be of a reducible dtype; every other op only moves bytes.
+REDUCING_OPS = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"})
+# Every dtype torch defines, in one order on every rank: the signature code of a moved-only dtype.
+_ALL_DTYPES = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BITWISE_OPS = (RedOp.BAND, RedOp.BOR, RedOp.BXOR)
@@ -74,6 +80,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def supported_dtype_names() -> str:
     return ", ".join(dtype_name(d) for d in DTYPES)
+
+
+def moved_as_bytes(dtype: torch.dtype) -> bool:
+    """Whether a data-moving op carries ``dtype`` as its raw bytes: bool (no transport has a bool
+    type) and every dtype that is not reduced (float8 for FSDP's float8 all_gather, int16,
+    uint16...). Moving bytes cannot change a value, whatever it encodes."""
+    return dtype is torch.bool or dtype not in DTYPES
+
+
+def signature_code(dtype: torch.dtype) -> int:
+    """A code for ``dtype`` that is the same on every rank (cross-rank signatures, shm headers)."""
+    code = DTYPES.get(dtype)
+    return code if code is not None else 64 + _ALL_DTYPES.index(dtype)
 
 
 def from_torch(reduce_op: object) -> RedOp:

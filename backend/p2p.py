@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import PeerFailureError, SMDDPError
+from .ops import moved_as_bytes
 from .work import FutureOnRequest, complete_with_none
 
 
@@ -241,7 +242,10 @@ class PeerLinks:
         else:
             tensor_on_wire = tensor
         work = PointToPointWork(describe, kind, tensor, self._timeout, after, link.fail)
-        link.call(kind, tensor_on_wire.detach(), tag, work)
+        tensor_on_wire = tensor_on_wire.detach()
+        if moved_as_bytes(tensor_on_wire.dtype):  # gloo's send and recv know only the dtypes it reduces
+            tensor_on_wire = tensor_on_wire.view(-1).view(torch.uint8)
+        link.call(kind, tensor_on_wire, tag, work)
         return work
 
     def close(self) -> None:

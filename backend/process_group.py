@@ -224,8 +224,13 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             )
         if t.layout != torch.strided:
             raise ValueError(f"expected a dense (strided) tensor, found layout {t.layout}; call .to_dense()")
-        if t.dtype not in ops.DTYPES:
-            raise ValueError(f"dtype {ops.dtype_name(t.dtype)} is not supported; supported: {ops.supported_dtype_names()}")
+        if t.is_quantized:
+            raise ValueError(f"quantized tensors ({ops.dtype_name(t.dtype)}) are not supported; send t.int_repr() "
+                             "and the scale and zero point, as with torch's own backends")
+        if t.dtype not in ops.DTYPES and op in ops.REDUCING_OPS:
+            raise ValueError(f"dtype {ops.dtype_name(t.dtype)} is not supported by reductions; supported: "
+                             f"{ops.supported_dtype_names()}. Ops that only move data (broadcast, all_gather, "
+                             "gather, scatter, all_to_all, send/recv) take any dtype")
 
     def _root(self, root: int) -> None:
         if not 0 <= root < self.size():

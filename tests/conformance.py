@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
-          torch.uint8, torch.bool]
+          torch.uint8, torch.int8, torch.bool]
+# dtypes that ops which only move data carry as bytes (FSDP2's float8 all_gather); reductions refuse them
+MOVED_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int16]
 SHAPES = [(1,), (17,), (257,), (1823, 781)]  # irregular on purpose: odd chunk and share splits
 REDOPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
           "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
@@ -353,6 +355,25 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
             shape=(1823, 781), dtype=dtype, redop="max", non_contiguous=True)
     for op in ("all_reduce_sum", "all_reduce_avg", "broadcast", "all_gather"):
         yield "autograd", f"leaf-{op}", case_autograd_leaf, dict(op=op)
+    for dtype in MOVED_DTYPES:
+        dn = str(dtype).replace("torch.", "")
+        for shape in ((17,), (1823, 781)):  # the larger crosses shm's steps (1 MiB) in every op
+            sn = "x".join(map(str, shape))
+            for root in sorted({0, world - 1}):
+                yield "broadcast", f"root{root}-{dn}-{sn}", case_broadcast, dict(shape=shape, dtype=dtype, root=root)
+                for adjacent in (False, True):
+                    kind = "blocks_of_one" if adjacent else "separate"
+                    yield "gather", f"root{root}-{kind}-{dn}-{sn}", case_gather, dict(
+                        shape=shape, dtype=dtype, root=root, adjacent=adjacent)
+                    yield "scatter", f"root{root}-{kind}-{dn}-{sn}", case_scatter, dict(
+                        shape=shape, dtype=dtype, root=root, adjacent=adjacent)
+            for form in ("list", "tensor", "in_place"):
+                yield "all_gather", f"{form}-{dn}-{sn}", case_all_gather, dict(shape=shape, dtype=dtype, form=form)
+            yield "all_to_all", f"{dn}-{sn}", case_all_to_all, dict(shape=shape, dtype=dtype)
+        yield "all_to_all_uneven", f"single-{dn}-3000x33", case_all_to_all_uneven, dict(
+            dtype=dtype, form="single", scale=3000, width=33)
+        yield "all_to_all_uneven", f"list-{dn}-1x5", case_all_to_all_uneven, dict(
+            dtype=dtype, form="list", scale=1, width=5)
     yield "async", "pipeline", case_async_pipeline, {}
     yield "objects", "gather_scatter_all_gather_broadcast", case_objects, {}
     yield "gather", "input_in_another_block_of_the_output", case_gather_input_in_output, {}

@@ -36,6 +36,7 @@ def bad_input() -> dict:
     cases = {
         "dtype": lambda: dist.all_reduce(torch.ones(3, dtype=torch.float8_e4m3fn)),
         "device": lambda: dist.all_reduce(torch.ones(3, device="meta")),
+        "quantized": lambda: dist.broadcast(torch.quantize_per_tensor(torch.ones(3), 0.5, 0, torch.qint8), src=0),
         "sparse": lambda: dist.all_reduce(torch.ones(3).to_sparse()),
         "avg_int": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG),
         "bitwise_float": lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND),
@@ -85,16 +86,17 @@ def _reduce_scatter(dtype: torch.dtype = torch.float32) -> None:
     dist.reduce_scatter_tensor(torch.empty(3, dtype=dtype), torch.ones(3 * dist.get_world_size(), dtype=dtype))
 
 
-def _gather(dtype: torch.dtype) -> None:
+# ops that only move data take any dtype: their refusals below are of tensors on the meta device
+def _gather(device: str) -> None:
     n = dist.get_world_size()
-    dist.gather(torch.ones(3, dtype=dtype), [torch.empty(3, dtype=dtype) for _ in range(n)] if dist.get_rank() == 0
-                else None, dst=0)
+    dist.gather(torch.ones(3, device=device), [torch.empty(3, device=device) for _ in range(n)]
+                if dist.get_rank() == 0 else None, dst=0)
 
 
-def _uneven_all_to_all(dtype: torch.dtype) -> None:
+def _uneven_all_to_all(device: str) -> None:
     n = dist.get_world_size()
-    dist.all_to_all_single(torch.empty(n * 2, dtype=dtype), torch.ones(n * 2, dtype=dtype), [1, 3] + [2] * (n - 2),
-                           [1, 3] + [2] * (n - 2))
+    dist.all_to_all_single(torch.empty(n * 2, device=device), torch.ones(n * 2, device=device),
+                           [1, 3] + [2] * (n - 2), [1, 3] + [2] * (n - 2))
 
 
 REFUSED_CALLS = {  # kind: (the call every other rank makes, the call the refusing rank makes)
@@ -106,9 +108,9 @@ REFUSED_CALLS = {  # kind: (the call every other rank makes, the call the refusi
     # the others wait in a reduce_scatter
     "reduce_scatter": (_reduce_scatter, lambda: _reduce_scatter(torch.float8_e4m3fn)),
     # the others wait in a gather (its own steps on shm, Igather on MPI)
-    "gather": (lambda: _gather(torch.float32), lambda: _gather(torch.float8_e4m3fn)),
+    "gather": (lambda: _gather("cpu"), lambda: _gather("meta")),
     # the others wait in an uneven all_to_all's exchange of split sizes
-    "all_to_all_uneven": (lambda: _uneven_all_to_all(torch.float32), lambda: _uneven_all_to_all(torch.float8_e4m3fn)),
+    "all_to_all_uneven": (lambda: _uneven_all_to_all("cpu"), lambda: _uneven_all_to_all("meta")),
 }
 
 
@@ -685,8 +687,8 @@ def point_to_point() -> dict:
             problems[case] = f"got {got.flatten()[:6].tolist()}, want {want.flatten()[:6].tolist()}"
 
     # a ring through batch_isend_irecv: every rank posts a send before its peer posts the recv,
-    # and each pair's link is made while the others are being made
-    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+    # and each pair's link is made while the others are being made; float8 and int16 travel as bytes
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.int8, torch.float8_e4m3fn, torch.int16):
         sent = (torch.arange(1000) * (rank + 1) % 7).to(dtype)
         got = torch.empty(1000, dtype=dtype)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, after), dist.P2POp(dist.irecv, got, before)])

@@ -24,8 +24,9 @@ TRANSPORT_ENVS = {
 
 # what each bad input must say, in words a user can act on
 EXPECTED_WORDS = {
-    "dtype": ["float8_e4m3fn", "supported", "float32"],
+    "dtype": ["float8_e4m3fn", "not supported by reductions", "float32", "take any dtype"],
     "device": ["meta", ".cpu()"],
+    "quantized": ["quantized", "qint8", "int_repr()"],
     "sparse": ["dense", "to_dense"],
     "avg_int": ["AVG", "int32"],
     "bitwise_float": ["BAND", "float32"],
@@ -97,7 +98,7 @@ REFUSAL_LAUNCHES = {  # transport: (ranks, launch arguments)
 
 # what the refusing rank's error says, by what it passed (programs.REFUSED_CALLS)
 REFUSAL_WORDS = {"dtype": "float8_e4m3fn", "op": "PREMUL_SUM", "reduce_scatter": "float8_e4m3fn",
-                 "gather": "float8_e4m3fn", "all_to_all_uneven": "float8_e4m3fn"}
+                 "gather": "is on meta", "all_to_all_uneven": "is on meta"}
 REFUSED_OP = {"dtype": "all_reduce", "op": "all_reduce", "reduce_scatter": "reduce_scatter_tensor",
               "gather": "gather", "all_to_all_uneven": "all_to_all_single"}
 REFUSAL_CASES = [(transport, "dtype") for transport in sorted(REFUSAL_LAUNCHES) if transport != "gloo-checked"] + [

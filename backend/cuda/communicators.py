@@ -26,6 +26,7 @@ NCCL_DTYPE_NAMES = {
     torch.int32: "NCCL_INT32",
     torch.int64: "NCCL_INT64",
     torch.uint8: "NCCL_UINT8",
+    torch.int8: "NCCL_INT8",
 }
 NCCL_OP_NAMES = {RedOp.SUM: "NCCL_SUM", RedOp.PRODUCT: "NCCL_PROD", RedOp.MIN: "NCCL_MIN",
                  RedOp.MAX: "NCCL_MAX", RedOp.AVG: "NCCL_AVG"}

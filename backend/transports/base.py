@@ -15,7 +15,7 @@ import itertools
 import torch
 
 from ..errors import where
-from ..ops import DTYPES, RedOp
+from ..ops import RedOp
 
 
 class Transport(abc.ABC):
@@ -150,7 +150,3 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 def block_offsets(counts: list[int]) -> list[int]:
     """Where each of consecutive blocks of ``counts`` elements starts."""
     return [0, *itertools.accumulate(counts)][: len(counts)]
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    return DTYPES[dtype]

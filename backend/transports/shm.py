@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import COMBINE, DTYPE_BY_CODE, LOW_PRECISION, RedOp, as_sum, dtype_name
-from .base import Transport, block_offsets, dtype_code
+from ..ops import COMBINE, DTYPE_BY_CODE, LOW_PRECISION, RedOp, as_sum, dtype_name, signature_code
+from .base import Transport, block_offsets
 from .shm_segment import ShmSegment
 
 ONE_SHOT_BYTES = 16 << 10  # all_reduce below this size uses one barrier (see all_reduce)
@@ -60,7 +60,7 @@ class ShmTransport(Transport):
         self.seq += 1
         self.seg.current_call = self.call_index
         self.seg.op_desc = f"{self.shown_op(op)}, call #{self.call_index}"
-        header = (self.seq, self.call_index, _OP_CODES[op], dtype_code(dtype) if dtype else 0, numel, arg)
+        header = (self.seq, self.call_index, _OP_CODES[op], signature_code(dtype) if dtype else 0, numel, arg)
         self.seg.publish_header(header)
         return header
 
