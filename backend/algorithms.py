@@ -25,6 +25,11 @@ _SIGNATURE_OPS = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4,
                   "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9, "all_to_all_v": 10}
 
 
+# what an uneven all_to_all's ranks must agree on, said when they do not
+_SPLIT_RULE = ("Rank q's output_split_sizes[p] must equal rank p's input_split_sizes[q] (and list all_to_all's "
+               "tensor sizes likewise).")
+
+
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     """A 1-D contiguous view of ``t`` and a function that writes results back into ``t``."""
     if t.is_contiguous():
@@ -225,7 +230,7 @@ class Collectives:
         unpack()
 
     def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
-                     input_splits: list[int], row: int = 1) -> None:
+                     input_splits: list[int], row: int = 1, rule: str = _SPLIT_RULE) -> None:
         """Block ``q`` of ``input`` (``input_splits[q]`` rows of ``row`` elements, in rank order)
         goes to rank ``q``; ``output`` receives ``output_splits[q]`` rows from rank ``q``. Every rank's
         splits are first gathered (one small all_gather, always): a rank whose expectations differ
@@ -236,7 +241,7 @@ class Collectives:
         src, _ = _flat(input)
         dst, unpack = _flat(output)
         self._agree("all_to_all_v", src.dtype, 0)
-        rows = self._agreed_splits(input_splits, output_splits, row)
+        rows = self._agreed_splits(input_splits, output_splits, row, rule)
         unit = row * (src.element_size() if moved_as_bytes(src.dtype) else 1)  # a row, in what the transport moves
         src, dst = _as_bytes(src), _as_bytes(dst)
         if src.numel() and dst.numel() and overlap(src, dst):
@@ -245,7 +250,19 @@ class Collectives:
                                     [[c * unit for c in r] for r in rows])
         unpack()
 
-    def _agreed_splits(self, input_splits: list[int], output_splits: list[int], row: int) -> list[list[int]]:
+    def all_gather_v(self, outputs: list[torch.Tensor], input: torch.Tensor) -> None:
+        """``outputs[q]`` receives rank q's ``input``, whose sizes differ: an uneven all_to_all
+        whose every block is the input (so every rank's sizes are checked against its peers')."""
+        src, _ = _flat(input)
+        sizes = [t.numel() for t in outputs]
+        received = torch.empty(sum(sizes), dtype=src.dtype)
+        self.all_to_all_v(received, sizes, src.repeat(self.world_size), [src.numel()] * self.world_size,
+                          rule="Rank q's output tensor p must have as many elements as rank p's input.")
+        for out, block in zip(outputs, received.split(sizes)):
+            out.copy_(block.view_as(out))
+
+    def _agreed_splits(self, input_splits: list[int], output_splits: list[int], row: int,
+                       rule: str = _SPLIT_RULE) -> list[list[int]]:
         """Every rank's splits (in rows of ``row`` elements), gathered; raises
         CollectiveMismatchError on every rank (they all see the same table) where ranks' rows
         differ in size or a rank expects other sizes than its peers send. Returns what each
@@ -268,8 +285,7 @@ class Collectives:
                              for p, q, sends, expects in wrong[:8])
             raise CollectiveMismatchError(
                 f"{where(self.rank, w, self.transport.running or 'all_to_all')} ranks disagree on the block sizes ({said}"
-                f"{'; ...' if len(wrong) > 8 else ''}). Rank q's output_split_sizes[p] must equal rank p's "
-                "input_split_sizes[q] (and list all_to_all's tensor sizes likewise)."
+                f"{'; ...' if len(wrong) > 8 else ''}). {rule}"
             )
         return [r[:w] for r in rows]
 

@@ -280,18 +280,37 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             inputs = _as_list(input_tensors)
             outputs = list(_inner_list(output_tensors))
 
+        # Outputs of different sizes (NCCL allows them; gloo does not): rank p's output p must
+        # hold its input, and the others what those ranks send, which the uneven all_to_all that
+        # carries them checks across ranks, failing on every rank where they disagree.
+        uneven = any(out.numel() != inputs[0].numel() for out in outputs) if inputs else False
+
         def check() -> None:
             _one_tensor("all_gather", inputs)
-            self._same_blocks("all_gather", outputs, inputs[0], "output")
+            if not uneven:
+                return self._same_blocks("all_gather", outputs, inputs[0], "output")
+            self._same_blocks("all_gather", outputs, inputs[0], "output", sizes=False)
+            mine = outputs[self.rank()]
+            if mine.numel() != inputs[0].numel():
+                raise ValueError(f"output tensor {self.rank()} (this rank's) has {mine.numel()} elements, but the "
+                                 f"input has {inputs[0].numel()}; this rank's output must hold its own input")
 
         def body() -> None:
+            if uneven:
+                return self.collectives.all_gather_v(outputs, inputs[0])
             flat = torch.empty(self.size() * inputs[0].numel(), dtype=inputs[0].dtype)
             self.collectives.all_gather(flat, inputs[0])
             for out, block in zip(outputs, flat.chunk(self.size()) if flat.numel() else [flat] * self.size()):
                 out.copy_(block.view_as(out))
 
-        return self._run("all_gather", inputs + outputs, outputs, check, body,
-                         lambda n: n.all_gather_list(outputs, inputs[0]))
+        def nccl(path):
+            if uneven:
+                from .cuda.nccl_path import NeedsStaging
+
+                raise NeedsStaging("all_gather: outputs of different sizes")
+            return path.all_gather_list(outputs, inputs[0])
+
+        return self._run("all_gather", inputs + outputs, outputs, check, body, nccl)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         works = [self.allgather([outs], [inp], opts) for outs, inp in zip(output_lists, input_list)]
@@ -493,12 +512,14 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
 
     # shape checks ------------------------------------------------------------------------------
-    def _same_blocks(self, op: str, blocks: list[torch.Tensor], like: torch.Tensor, what: str) -> None:
+    def _same_blocks(self, op: str, blocks: list[torch.Tensor], like: torch.Tensor, what: str,
+                     sizes: bool = True) -> None:
+        """One block per rank, each of ``like``'s dtype and (where ``sizes``) its size."""
         if len(blocks) != self.size():
             raise ValueError(f"expected {self.size()} {what} tensors (one per rank), found {len(blocks)}")
         for i, b in enumerate(blocks):
             self._check_tensor(op, b)
-            if b.numel() != like.numel() or b.dtype != like.dtype:
+            if (sizes and b.numel() != like.numel()) or b.dtype != like.dtype:
                 raise ValueError(
                     f"{what} tensor {i} has {b.numel()} elements of {ops.dtype_name(b.dtype)}, expected "
                     f"{like.numel()} of {ops.dtype_name(like.dtype)} like the other tensor"

@@ -133,6 +133,15 @@ def case_all_gather(shape, dtype, rank, world, form):
     return _mismatch(out, want)
 
 
+def case_all_gather_uneven(dtype, rank, world, scale):
+    """A list all_gather whose ranks send different sizes (rank 0 nothing), as an evaluation loop
+    gathers a last, short batch: NCCL takes these; gloo refuses them."""
+    rows = lambda q: (q * 7) % 5 * scale  # noqa: E731
+    outs = [empty((rows(q), 33), dtype) for q in range(world)]
+    dist.all_gather(outs, on_device(seeded((rows(rank), 33), rank, dtype)))
+    return _mismatch(torch.cat(outs), torch.cat([seeded((rows(q), 33), q, dtype) for q in range(world)]))
+
+
 def case_reduce_scatter(shape, dtype, redop, rank, world, form):
     blocks = [on_device(seeded(shape, rank * world + q, dtype, redop) if redop != "avg"
                         else seeded(shape, rank, dtype, redop)) for q in range(world)]
@@ -379,6 +388,10 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
     yield "gather", "input_in_another_block_of_the_output", case_gather_input_in_output, {}
     yield "scatter", "output_in_another_block_of_the_input", case_scatter_output_in_input, {}
     yield "all_to_all_uneven", "output_is_the_input", case_all_to_all_uneven_in_place, {}
+    for dtype in (torch.float32, torch.bool, torch.float8_e4m3fn):
+        for scale in (1, 3000):  # 3000 rows: several shm steps
+            yield "all_gather", f"uneven-{str(dtype).replace('torch.', '')}-{scale}", case_all_gather_uneven, dict(
+                dtype=dtype, scale=scale)
     yield "barrier", "three", case_barrier, {}
     yield "subgroup", "odd_even", case_subgroup, {}
 

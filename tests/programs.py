@@ -50,6 +50,7 @@ def bad_input() -> dict:
         "split_sum": lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), input_split_sizes=[1, 2]),
         "split_count": lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), output_split_sizes=[4]),
         "all_to_all_count": lambda: dist.all_to_all([torch.empty(3)], [torch.ones(3)]),
+        "all_gather_own_size": lambda: dist.all_gather([torch.empty(3), torch.empty(4)], torch.ones(2)),
     }
     report = {}
     for name, fn in cases.items():
@@ -67,6 +68,9 @@ def mismatch(kind: str) -> dict:
         "size": lambda: dist.all_reduce(torch.ones(10 + rank)),
         "dtype": lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank == 0 else torch.float64)),
         "op": lambda: dist.all_reduce(torch.ones(10)) if rank == 0 else dist.broadcast(torch.ones(10), src=0),
+        # outputs of different sizes: rank 0 expects 4 elements from rank 1, which sends 5
+        "all_gather_sizes": lambda: dist.all_gather([torch.empty(3), torch.empty(4 if rank == 0 else 5)],
+                                                    torch.ones(3 if rank == 0 else 5)),
     }
     return _error_of(calls[kind])
 

@@ -40,6 +40,7 @@ EXPECTED_WORDS = {
     "split_sum": ["input_split_sizes=[1, 2] adds up to 3 rows", "has 4"],
     "split_count": ["output_split_sizes=[4]", "expected 2 non-negative row counts"],
     "all_to_all_count": ["expected 2 output tensors", "found 1"],
+    "all_gather_own_size": ["output tensor", "(this rank's)", "must hold its own input"],
 }
 
 
@@ -59,13 +60,18 @@ def test_bad_input_raises_on_every_rank_and_group_stays_usable(transport):
 
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
-@pytest.mark.parametrize("kind", ["size", "dtype", "op"])
+@pytest.mark.parametrize("kind", ["size", "dtype", "op", "all_gather_sizes"])
 def test_mismatched_calls_raise_on_every_rank(transport, kind):
     reports = harness.values(harness.launch("tests.programs:mismatch", 2, env=TRANSPORT_ENVS[transport], kind=kind))
     for rank, error in enumerate(reports):
         assert error["type"] == "CollectiveMismatchError", (rank, error)
         assert error["backend_error"], "must be a torch DistBackendError"
-        assert "rank 0:" in error["message"] and "rank 1:" in error["message"], error["message"]
+        if kind == "all_gather_sizes":
+            assert "rank 1 sends 5 elements to rank 0, which expects 4" in error["message"], error["message"]
+            assert f"[smddp rank {rank}/2 " in error["message"] and "all_gather" in error["message"], error["message"]
+            assert "output tensor p must have as many elements as rank p's input" in error["message"], error["message"]
+        else:
+            assert "rank 0:" in error["message"] and "rank 1:" in error["message"], error["message"]
         assert error["seconds"] < 30, error
 
 
