@@ -327,6 +327,23 @@ def case_subgroup(rank, world):
     return _mismatch(t, expected_reduction((17,), torch.float32, "sum", members))
 
 
+def _moving_cases(dtype: torch.dtype, shape: tuple[int, ...], world: int):
+    """The ops that only move data, for one dtype and shape: broadcast, all_gather in every form,
+    all_to_all, gather and scatter (from the first and the last rank, blocks of one tensor or not)."""
+    dn, sn = str(dtype).replace("torch.", ""), "x".join(map(str, shape))
+    for form in ("list", "tensor", "in_place"):
+        yield "all_gather", f"{form}-{dn}-{sn}", case_all_gather, dict(shape=shape, dtype=dtype, form=form)
+    yield "all_to_all", f"{dn}-{sn}", case_all_to_all, dict(shape=shape, dtype=dtype)
+    for root in sorted({0, world - 1}):
+        yield "broadcast", f"root{root}-{dn}-{sn}", case_broadcast, dict(shape=shape, dtype=dtype, root=root)
+        for adjacent in (False, True):
+            kind = "blocks_of_one" if adjacent else "separate"
+            yield "gather", f"root{root}-{kind}-{dn}-{sn}", case_gather, dict(
+                shape=shape, dtype=dtype, root=root, adjacent=adjacent)
+            yield "scatter", f"root{root}-{kind}-{dn}-{sn}", case_scatter, dict(
+                shape=shape, dtype=dtype, root=root, adjacent=adjacent)
+
+
 def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dict]]:
     """(group, case id, function, kwargs) in the one order every rank runs them."""
     for dtype in DTYPES:
@@ -337,23 +354,14 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
                 if applicable(redop, dtype):
                     yield "all_reduce", f"{redop}-{dn}-{sn}", case_all_reduce, dict(shape=shape, dtype=dtype, redop=redop)
             for root in sorted({0, world - 1}):
-                yield "broadcast", f"root{root}-{dn}-{sn}", case_broadcast, dict(shape=shape, dtype=dtype, root=root)
                 yield "reduce", f"root{root}-{dn}-{sn}", case_reduce, dict(shape=shape, dtype=dtype, redop="sum", root=root)
             for form in ("list", "tensor", "in_place"):
-                yield "all_gather", f"{form}-{dn}-{sn}", case_all_gather, dict(shape=shape, dtype=dtype, form=form)
                 # every op once (each transport reduces blocks its own way), the common ones in every form
                 for redop in REDOPS if form == "tensor" else ("sum", "max", "avg"):
                     if applicable(redop, dtype):
                         yield "reduce_scatter", f"{form}-{redop}-{dn}-{sn}", case_reduce_scatter, dict(
                             shape=shape, dtype=dtype, redop=redop, form=form)
-            yield "all_to_all", f"{dn}-{sn}", case_all_to_all, dict(shape=shape, dtype=dtype)
-            for root in sorted({0, world - 1}):
-                for adjacent in (False, True):
-                    kind = "blocks_of_one" if adjacent else "separate"
-                    yield "gather", f"root{root}-{kind}-{dn}-{sn}", case_gather, dict(
-                        shape=shape, dtype=dtype, root=root, adjacent=adjacent)
-                    yield "scatter", f"root{root}-{kind}-{dn}-{sn}", case_scatter, dict(
-                        shape=shape, dtype=dtype, root=root, adjacent=adjacent)
+            yield from _moving_cases(dtype, shape, world)
         # small blocks, and blocks of up to 3 x 3000 rows of 33 (1 MiB of float32: several shm steps)
         for scale, width in ((1, 5), (3000, 33)):
             for form in ("single", "list"):
@@ -367,18 +375,7 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
     for dtype in MOVED_DTYPES:
         dn = str(dtype).replace("torch.", "")
         for shape in ((17,), (1823, 781)):  # the larger crosses shm's steps (1 MiB) in every op
-            sn = "x".join(map(str, shape))
-            for root in sorted({0, world - 1}):
-                yield "broadcast", f"root{root}-{dn}-{sn}", case_broadcast, dict(shape=shape, dtype=dtype, root=root)
-                for adjacent in (False, True):
-                    kind = "blocks_of_one" if adjacent else "separate"
-                    yield "gather", f"root{root}-{kind}-{dn}-{sn}", case_gather, dict(
-                        shape=shape, dtype=dtype, root=root, adjacent=adjacent)
-                    yield "scatter", f"root{root}-{kind}-{dn}-{sn}", case_scatter, dict(
-                        shape=shape, dtype=dtype, root=root, adjacent=adjacent)
-            for form in ("list", "tensor", "in_place"):
-                yield "all_gather", f"{form}-{dn}-{sn}", case_all_gather, dict(shape=shape, dtype=dtype, form=form)
-            yield "all_to_all", f"{dn}-{sn}", case_all_to_all, dict(shape=shape, dtype=dtype)
+            yield from _moving_cases(dtype, shape, world)
         yield "all_to_all_uneven", f"single-{dn}-3000x33", case_all_to_all_uneven, dict(
             dtype=dtype, form="single", scale=3000, width=33)
         yield "all_to_all_uneven", f"list-{dn}-1x5", case_all_to_all_uneven, dict(
