@@ -270,7 +270,7 @@ class Collectives:
         w = self.world_size
         mine = torch.tensor(list(input_splits) + list(output_splits) + [row], dtype=torch.int64)
         table = torch.empty(w * (2 * w + 1), dtype=torch.int64)
-        self.transport.all_gather(table, mine)
+        self.transport.gather_split_sizes(table, mine)
         rows = table.view(w, 2 * w + 1).tolist()
         widths = [r[2 * w] for r in rows]
         if len(set(widths)) > 1:

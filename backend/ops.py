@@ -96,13 +96,34 @@ def signature_code(dtype: torch.dtype) -> int:
 
 
 def from_torch(reduce_op: object) -> RedOp:
-    """Map a ``dist.ReduceOp`` (or its ``RedOpType``) to ours, refusing PREMUL_SUM by name."""
+    """Map a ``dist.ReduceOp`` (or its ``RedOpType``) to ours (PREMUL_SUM: see ``reduction``)."""
     op = getattr(reduce_op, "op", reduce_op)
     try:
         return _FROM_TORCH[op]
     except (KeyError, TypeError):
         names = ", ".join(o.name for o in RedOp)
-        raise ValueError(f"reduce op {op} is not supported; supported: {names}") from None
+        raise ValueError(f"reduce op {op} is not supported; supported: {names}, PREMUL_SUM(factor)") from None
+
+
+Factor = float | torch.Tensor  # a PREMUL_SUM's: a number, or a one-element tensor
+
+
+def reduction(reduce_op: object) -> tuple[RedOp, Factor | None]:
+    """The op to reduce with and, for a PREMUL_SUM, the factor each rank multiplies its own input
+    by before the SUM (as NCCL's premultiplied sum; FSDP2 sends one where a gradient divide factor
+    is set). Other ops have no factor."""
+    op = getattr(reduce_op, "op", reduce_op)
+    if op != dist.ReduceOp.RedOpType.PREMUL_SUM:
+        return from_torch(reduce_op), None
+    factor = getattr(reduce_op, "factor", None)
+    if isinstance(factor, torch.Tensor) and factor.numel() == 1 and factor.is_floating_point():
+        return RedOp.SUM, factor.reshape(())
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool):
+        return RedOp.SUM, float(factor)
+    found = f"a tensor of shape {tuple(factor.shape)} and dtype {dtype_name(factor.dtype)}" if isinstance(
+        factor, torch.Tensor) else repr(factor)
+    raise ValueError(f"PREMUL_SUM needs a factor that is a number or a one-element floating-point tensor, found "
+                     f"{found}; pass dist.ReduceOp.PREMUL_SUM(factor) or dist._make_nccl_premul_sum(factor)")
 
 
 def check_op_for_dtype(op: RedOp, dtype: torch.dtype) -> None:

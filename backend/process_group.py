@@ -236,17 +236,20 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if not 0 <= root < self.size():
             raise ValueError(f"root rank {root} is outside the group of {self.size()} ranks (0..{self.size() - 1})")
 
-    def _reduce_op(self, opts) -> ops.RedOp:
-        return ops.from_torch(getattr(opts, "reduceOp", opts))
+    def _reduce_op(self, opts) -> tuple[ops.RedOp, ops.Factor | None]:
+        """The op and, for a PREMUL_SUM, its factor (see ops.reduction and _premultiplied)."""
+        return ops.reduction(getattr(opts, "reduceOp", opts))
 
     # collectives -------------------------------------------------------------------------------
     @_device_aware("all_reduce")
     def allreduce(self, tensors, opts=None):
         with self._preparing("all_reduce"):
             tensors = _as_list(tensors)
-            op = self._reduce_op(opts or dist.AllreduceOptions())
-        return self._run("all_reduce", tensors, tensors, lambda: _same_ops(op, tensors),
-                         lambda: self.collectives.all_reduce(tensors, op), lambda n: n.all_reduce(tensors, op))
+            op, factor = self._reduce_op(opts or dist.AllreduceOptions())
+        scale = _premultiplied(factor, lambda: [t.mul_(_factor_on(t, factor)) for t in tensors])
+        return self._run("all_reduce", tensors, tensors, lambda: _same_ops(op, tensors, factor),
+                         lambda: scale(lambda: self.collectives.all_reduce(tensors, op)),
+                         lambda n: scale(lambda: n.all_reduce(tensors, op)))
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -264,15 +267,24 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         opts = opts or dist.ReduceOptions()
         with self._preparing("reduce"):
             tensors = _as_list(tensors)
-            op, root = self._reduce_op(opts), opts.rootRank
+            (op, factor), root = self._reduce_op(opts), opts.rootRank
 
         def check() -> None:
             self._root(root)
             _one_tensor("reduce", tensors)
-            _same_ops(op, tensors)
+            _same_ops(op, tensors, factor)
 
-        return self._run("reduce", tensors, tensors, check, lambda: self.collectives.reduce(tensors[0], root, op),
-                         lambda n: n.reduce(tensors[0], root, op))
+        def sent() -> torch.Tensor:
+            """What this rank reduces: its tensor, or for a PREMUL_SUM its tensor times the
+            factor, in place on the root (which receives the result) and a copy elsewhere (whose
+            tensors a reduce leaves as they were)."""
+            t = tensors[0]
+            if factor is None:
+                return t
+            return t.mul_(_factor_on(t, factor)) if self.rank() == root else t * _factor_on(t, factor)
+
+        return self._run("reduce", tensors, tensors, check, lambda: self.collectives.reduce(sent(), root, op),
+                         lambda n: n.reduce(sent(), root, op))
 
     @_device_aware("all_gather")
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -282,8 +294,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
         # Outputs of different sizes (NCCL allows them; gloo does not): rank p's output p must
         # hold its input, and the others what those ranks send, which the uneven all_to_all that
-        # carries them checks across ranks, failing on every rank where they disagree.
-        uneven = any(out.numel() != inputs[0].numel() for out in outputs) if inputs else False
+        # carries them checks across ranks, failing on every rank where they disagree. (A rank
+        # whose outputs all match its input takes the equal path; on shm its peers on the uneven
+        # one then fail with it, as ranks that call different collectives do.)
+        uneven = bool(inputs) and isinstance(inputs[0], torch.Tensor) and any(
+            isinstance(out, torch.Tensor) and out.numel() != inputs[0].numel() for out in outputs)
 
         def check() -> None:
             _one_tensor("all_gather", inputs)
@@ -335,31 +350,37 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         with self._preparing("reduce_scatter"):
             inputs = list(_inner_list(input_tensors))
             outputs = _as_list(output_tensors)
-            op = self._reduce_op(opts or dist.ReduceScatterOptions())
+            op, factor = self._reduce_op(opts or dist.ReduceScatterOptions())
 
         def check() -> None:
             _one_tensor("reduce_scatter", outputs)
             self._same_blocks("reduce_scatter", inputs, outputs[0], "input")
-            _same_ops(op, outputs)
+            _same_ops(op, outputs, factor)
+
+        def sent() -> list[torch.Tensor]:  # a PREMUL_SUM's inputs times the factor: copies, the inputs stay
+            return inputs if factor is None else [t * _factor_on(t, factor) for t in inputs]
 
         def body() -> None:
-            self.collectives.reduce_scatter(outputs[0], torch.cat([t.reshape(-1) for t in inputs]), op)
+            self.collectives.reduce_scatter(outputs[0], torch.cat([t.reshape(-1) for t in sent()]), op)
 
         return self._run("reduce_scatter", outputs + inputs, outputs, check, body,
-                         lambda n: n.reduce_scatter_list(outputs[0], inputs, op))
+                         lambda n: n.reduce_scatter_list(outputs[0], sent(), op))
 
     @_device_aware("reduce_scatter_tensor")
     def reduce_scatter_single(self, output, input, opts=None):
         with self._preparing("reduce_scatter_tensor"):
-            op = self._reduce_op(opts or dist.ReduceScatterOptions())
+            op, factor = self._reduce_op(opts or dist.ReduceScatterOptions())
 
         def check() -> None:
             self._sized("reduce_scatter_tensor", input, output, self.size())
-            _same_ops(op, [output])
+            _same_ops(op, [output], factor)
+
+        def sent() -> torch.Tensor:  # a PREMUL_SUM's input times the factor: a copy, the input stays
+            return input if factor is None else input * _factor_on(input, factor)
 
         return self._run("reduce_scatter_tensor", [output, input], [output], check,
-                         lambda: self.collectives.reduce_scatter(output, input, op),
-                         lambda n: n.reduce_scatter(output, input, op))
+                         lambda: self.collectives.reduce_scatter(output, sent(), op),
+                         lambda n: n.reduce_scatter(output, sent(), op))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -519,7 +540,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             raise ValueError(f"expected {self.size()} {what} tensors (one per rank), found {len(blocks)}")
         for i, b in enumerate(blocks):
             self._check_tensor(op, b)
-            if (sizes and b.numel() != like.numel()) or b.dtype != like.dtype:
+            if not sizes and b.dtype != like.dtype:
+                raise ValueError(f"{what} tensor {i} is of {ops.dtype_name(b.dtype)}, expected "
+                                 f"{ops.dtype_name(like.dtype)} like the other tensor")
+            if sizes and (b.numel() != like.numel() or b.dtype != like.dtype):
                 raise ValueError(
                     f"{what} tensor {i} has {b.numel()} elements of {ops.dtype_name(b.dtype)}, expected "
                     f"{like.numel()} of {ops.dtype_name(like.dtype)} like the other tensor"
@@ -631,9 +655,28 @@ def _one_tensor(op: str, tensors: list[torch.Tensor]) -> None:
         raise ValueError(f"{op} takes one tensor per rank, found {len(tensors)}")
 
 
-def _same_ops(op: ops.RedOp, tensors: list[torch.Tensor]) -> None:
+def _same_ops(op: ops.RedOp, tensors: list[torch.Tensor], factor: ops.Factor | None = None) -> None:
     for t in tensors:
         ops.check_op_for_dtype(op, t.dtype)
+        if factor is not None and not t.is_floating_point():
+            raise ValueError(f"PREMUL_SUM needs floating-point tensors, found {ops.dtype_name(t.dtype)}; use SUM")
+
+
+def _factor_on(t: torch.Tensor, factor: ops.Factor) -> ops.Factor:
+    """A PREMUL_SUM's factor, where ``t`` can be multiplied by it (a tensor factor on t's device)."""
+    return factor.to(t.device) if isinstance(factor, torch.Tensor) and factor.device != t.device else factor
+
+
+def _premultiplied(factor: ops.Factor | None, scale: Callable[[], object]):
+    """A wrapper that runs ``scale`` (multiplies the inputs by a PREMUL_SUM's factor) before the
+    collective, when there is a factor: after the call's checks, on the communication thread (CPU)
+    or the caller's stream, which the collective's stream waits for (CUDA)."""
+    def wrapped(run: Callable[[], object]):
+        if factor is not None:
+            scale()
+        return run()
+
+    return wrapped
 
 
 def _own_keys(store, world_size: int):

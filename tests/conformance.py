@@ -142,6 +142,33 @@ def case_all_gather_uneven(dtype, rank, world, scale):
     return _mismatch(torch.cat(outs), torch.cat([seeded((rows(q), 33), q, dtype) for q in range(world)]))
 
 
+def case_premul_sum(dtype, rank, world, op, tensor_factor):
+    """PREMUL_SUM (FSDP2 sends one where a gradient divide factor is set): every rank multiplies
+    its input by its own factor, here (rank + 1) / 2, exact in every float dtype, then all sum."""
+    factor = (rank + 1) / 2
+    redop = dist._make_nccl_premul_sum(torch.tensor(factor, device=DEVICE)) if tensor_factor else \
+        dist.ReduceOp.PREMUL_SUM(factor)
+    shape = (1823, 3)
+    scaled = lambda r, q=0: seeded(shape, r * world + q, dtype) * ((r + 1) / 2)  # noqa: E731
+    if op == "all_reduce":
+        t = on_device(seeded(shape, rank * world, dtype))
+        dist.all_reduce(t, op=redop)
+        return _mismatch(t, sum(scaled(r) for r in range(world)).to(dtype))
+    if op == "reduce":
+        t = on_device(seeded(shape, rank * world, dtype))
+        dist.reduce(t, dst=world - 1, op=redop)
+        want = sum(scaled(r) for r in range(world)).to(dtype) if rank == world - 1 else seeded(shape, rank * world, dtype)
+        return _mismatch(t, want) if rank == world - 1 or dist.get_backend() == "smddp" else None
+    blocks = [on_device(seeded(shape, rank * world + q, dtype)) for q in range(world)]
+    out = empty(shape, dtype)
+    if op == "reduce_scatter_list":
+        dist.reduce_scatter(out, blocks, op=redop)
+    else:
+        dist.reduce_scatter_tensor(out, torch.cat(blocks), op=redop)
+    unchanged = _mismatch(torch.cat(blocks), torch.cat([seeded(shape, rank * world + q, dtype) for q in range(world)]))
+    return unchanged and f"the input changed: {unchanged}" or _mismatch(out, sum(scaled(r, rank) for r in range(world)).to(dtype))
+
+
 def case_reduce_scatter(shape, dtype, redop, rank, world, form):
     blocks = [on_device(seeded(shape, rank * world + q, dtype, redop) if redop != "avg"
                         else seeded(shape, rank, dtype, redop)) for q in range(world)]
@@ -385,6 +412,12 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
     yield "gather", "input_in_another_block_of_the_output", case_gather_input_in_output, {}
     yield "scatter", "output_in_another_block_of_the_input", case_scatter_output_in_input, {}
     yield "all_to_all_uneven", "output_is_the_input", case_all_to_all_uneven_in_place, {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for op, group in (("all_reduce", "all_reduce"), ("reduce", "reduce"), ("reduce_scatter_list", "reduce_scatter"),
+                          ("reduce_scatter_tensor", "reduce_scatter")):
+            for tensor_factor in (False, True):
+                yield group, f"premul_sum-{op}-{str(dtype).replace('torch.', '')}-{'tensor' if tensor_factor else 'number'}", \
+                    case_premul_sum, dict(dtype=dtype, op=op, tensor_factor=tensor_factor)
     for dtype in (torch.float32, torch.bool, torch.float8_e4m3fn):
         for scale in (1, 3000):  # 3000 rows: several shm steps
             yield "all_gather", f"uneven-{str(dtype).replace('torch.', '')}-{scale}", case_all_gather_uneven, dict(

@@ -40,7 +40,8 @@ def bad_input() -> dict:
         "sparse": lambda: dist.all_reduce(torch.ones(3).to_sparse()),
         "avg_int": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG),
         "bitwise_float": lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND),
-        "premul_sum": lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0)),
+        "premul_sum": lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(torch.tensor(2))),
+        "premul_sum_int": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.PREMUL_SUM(2.0)),
         "gather_size": lambda: dist.all_gather_into_tensor(torch.empty(5), torch.ones(3)),
         "scatter_size": lambda: dist.reduce_scatter_tensor(torch.empty(3), torch.ones(5)),
         "list_count": lambda: dist.all_gather([torch.empty(3)], torch.ones(3)),
@@ -71,6 +72,12 @@ def mismatch(kind: str) -> dict:
         # outputs of different sizes: rank 0 expects 4 elements from rank 1, which sends 5
         "all_gather_sizes": lambda: dist.all_gather([torch.empty(3), torch.empty(4 if rank == 0 else 5)],
                                                     torch.ones(3 if rank == 0 else 5)),
+        # rank 0's outputs all match its input (the equal path); rank 1 expects 7 from it (the
+        # uneven path), and its exchange of sizes is an int64 all_gather as long as rank 0's
+        "all_gather_paths": lambda: dist.all_gather(
+            [torch.empty(5, dtype=torch.int64), torch.empty(5, dtype=torch.int64)] if rank == 0
+            else [torch.empty(7, dtype=torch.int64), torch.empty(5, dtype=torch.int64)],
+            torch.arange(5)),
     }
     return _error_of(calls[kind])
 
@@ -108,7 +115,7 @@ REFUSED_CALLS = {  # kind: (the call every other rank makes, the call the refusi
     "dtype": (lambda: dist.all_reduce(torch.ones(3)), lambda: dist.all_reduce(torch.ones(3, dtype=torch.float8_e4m3fn))),
     # refused while reading the reduce op, before the checks
     "op": (lambda: dist.all_reduce(torch.ones(3)),
-           lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0))),
+           lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(torch.tensor(2)))),
     # the others wait in a reduce_scatter
     "reduce_scatter": (_reduce_scatter, lambda: _reduce_scatter(torch.float8_e4m3fn)),
     # the others wait in a gather (its own steps on shm, Igather on MPI)
@@ -282,12 +289,14 @@ def ddp_parity(steps: int = 12) -> dict:
     return result
 
 
-def fsdp_parity(steps: int = 6, param_dtype: str | None = None) -> dict:
+def fsdp_parity(steps: int = 6, param_dtype: str | None = None, divide_factor: float | None = None) -> dict:
     """The same model sharded with FSDP2 (fully_shard) on "smddp" and on "gloo", side by side in
     one job: FSDP gathers parameters with all_gather_into_tensor and reduces gradients with
     reduce_scatter_tensor. The smddp model takes fully_shard's default mesh (the default group,
     as a user's script would); ``param_dtype`` sets a MixedPrecisionPolicy for both (gradients
-    then reduced in that dtype)."""
+    then reduced in that dtype). With ``divide_factor`` the smddp model divides its gradients by
+    it (``set_gradient_divide_factor``: FSDP2 then reduce-scatters with PREMUL_SUM, which gloo
+    refuses); the gloo model averages them and multiplies by world size / factor instead."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -305,6 +314,10 @@ def fsdp_parity(steps: int = 6, param_dtype: str | None = None) -> dict:
         return fully_shard(model, mesh=mesh, mp_policy=policy)
 
     variants = {"smddp": sharded(None), "gloo": sharded(DeviceMesh.from_group(gloo, "cpu"))}
+    if divide_factor is not None:  # the setting is per fully_shard module
+        for module in variants["smddp"].modules():
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(divide_factor)
     optims = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in variants.items()}
     losses = {k: [] for k in variants}
     for x, y in _parity_batches(rank, steps):
@@ -312,6 +325,9 @@ def fsdp_parity(steps: int = 6, param_dtype: str | None = None) -> dict:
             optims[name].zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
+            if divide_factor is not None and name == "gloo":
+                for p in model.parameters():
+                    p.grad.mul_(dist.get_world_size() / divide_factor)
             optims[name].step()
             losses[name].append(loss.item())
     full = {k: [p.full_tensor() for p in m.parameters()] for k, m in variants.items()}

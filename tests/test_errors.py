@@ -30,7 +30,8 @@ EXPECTED_WORDS = {
     "sparse": ["dense", "to_dense"],
     "avg_int": ["AVG", "int32"],
     "bitwise_float": ["BAND", "float32"],
-    "premul_sum": ["not supported", "SUM"],
+    "premul_sum": ["PREMUL_SUM needs a factor", "dtype int64", "PREMUL_SUM(factor)"],
+    "premul_sum_int": ["PREMUL_SUM needs floating-point tensors", "int32"],
     "gather_size": ["expected", "found 5"],
     "scatter_size": ["expected", "found 5"],
     "list_count": ["expected 2", "found 1"],
@@ -60,7 +61,7 @@ def test_bad_input_raises_on_every_rank_and_group_stays_usable(transport):
 
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
-@pytest.mark.parametrize("kind", ["size", "dtype", "op", "all_gather_sizes"])
+@pytest.mark.parametrize("kind", ["size", "dtype", "op", "all_gather_sizes", "all_gather_paths"])
 def test_mismatched_calls_raise_on_every_rank(transport, kind):
     reports = harness.values(harness.launch("tests.programs:mismatch", 2, env=TRANSPORT_ENVS[transport], kind=kind))
     for rank, error in enumerate(reports):

@@ -35,6 +35,17 @@ def test_fully_shard_trains_as_on_gloo(layout, param_dtype, tolerance):
         assert result["max_diff"] <= tolerance, (rank, result)
 
 
+@pytest.mark.parametrize("param_dtype", [None, "bfloat16"])
+def test_gradient_divide_factor_trains_as_on_gloo(param_dtype):
+    """``set_gradient_divide_factor`` makes FSDP2 reduce-scatter with PREMUL_SUM(1 / factor), which
+    gloo refuses; smddp runs it, and trains as gloo's average times world size / factor does. The
+    factor is a power of two, so both round alike: bit for bit."""
+    results = harness.values(harness.launch("tests.programs:fsdp_parity", 2, param_dtype=param_dtype,
+                                            divide_factor=8.0))
+    for rank, result in enumerate(results):
+        assert result["max_diff"] == 0.0, (rank, result)
+
+
 @pytest.mark.parametrize("param_dtype, tolerance", [(None, 1e-6), ("bfloat16", 2.0**-10)])
 def test_hybrid_sharding_across_hosts_trains_as_on_gloo(param_dtype, tolerance):
     """HSDP on 2 simulated hosts x 2 ranks: each host's ranks shard (a subgroup on shared memory,

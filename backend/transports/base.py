@@ -122,6 +122,13 @@ class Transport(abc.ABC):
         elements rank p sends rank q, for every pair, the same on every rank (the algorithms
         layer has gathered and checked them), for transports that plan with them."""
 
+    def gather_split_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """The all_gather of every rank's split sizes that an uneven all_to_all starts with.
+        Transports that check headers (shm) name it apart, so that a rank here is told of a peer
+        that makes a plain all_gather of the same size instead (a list all_gather whose ranks
+        disagree on whether their sizes differ) rather than pairing with it."""
+        self.all_gather(output, input)
+
     def signature_check(self, signature: list[int]) -> list[list[int]]:
         """Every rank's ``signature`` (op, dtype, numel, arg), gathered with the transport itself."""
         mine = torch.tensor(signature, dtype=torch.int64)

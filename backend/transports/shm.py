@@ -24,7 +24,7 @@ from .shm_segment import ShmSegment
 ONE_SHOT_BYTES = 16 << 10  # all_reduce below this size uses one barrier (see all_reduce)
 
 _OP_CODES = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "reduce_scatter": 5,
-             "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9, "all_to_all_v": 10}
+             "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9, "all_to_all_v": 10, "split_sizes": 11}
 _OP_NAMES = {code: name for name, code in _OP_CODES.items()}
 
 
@@ -156,9 +156,9 @@ class ShmTransport(Transport):
                            for p in range(self.world_size)]
                 self._combine(sources, [x], op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, op: str = "all_gather") -> None:
         n = input.numel()
-        header = self._begin("all_gather", input.dtype, n, 0)
+        header = self._begin(op, input.dtype, n, 0)
         for start, stop in self._steps(n, input.element_size()):
             self.seg.slot(self.step, self.rank, input.dtype)[: stop - start].copy_(input[start:stop])
             self._sync(header if start == 0 else None)
@@ -192,6 +192,10 @@ class ShmTransport(Transport):
             self._sync(header if start == 0 else None)
             for q in range(w):
                 output[q * n + start : q * n + stop].copy_(self.seg.slot(self.step, q, input.dtype)[r * k : (r + 1) * k])
+
+    def gather_split_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        # an op of its own in the headers, so that it never pairs with a peer's all_gather
+        self.all_gather(output, input, "split_sizes")
 
     def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
                      input_splits: list[int], sends: list[list[int]]) -> None:
