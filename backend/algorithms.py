@@ -70,12 +70,6 @@ def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), first.storage_offset(), (total,))
 
 
-def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A flat tensor that an op only moves, as its uint8 bytes where ``moved_as_bytes`` says so
-    (bool, float8, int16, ...): transports move the dtypes they reduce, and bytes."""
-    return t.view(torch.uint8) if t is not None and moved_as_bytes(t.dtype) else t
-
-
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
@@ -94,6 +88,16 @@ class Collectives:
         self.scratch = Scratch(scratch_max_bytes)
 
     # shared steps ------------------------------------------------------------------------------
+    def _as_bytes(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A flat tensor that an op only moves, as its uint8 bytes where ``moved_as_bytes`` says so
+        (bool, float8, int16, ...): transports move the dtypes they reduce, and bytes. The
+        transport is told the dtype it then carries (its headers name it)."""
+        if t is None:
+            return None
+        moved = moved_as_bytes(t.dtype)
+        self.transport.carrying = t.dtype if moved else None
+        return t.view(torch.uint8) if moved else t
+
     def _agree(self, op: str, dtype: torch.dtype | None, numel: int, arg: int = 0) -> None:
         """When enabled, verify that every rank calls the same op on the same size and dtype."""
         if not self._check:
@@ -154,7 +158,7 @@ class Collectives:
         for group in _by_dtype(tensors):
             flat, unpack = _pack(group)
             self._agree("broadcast", flat.dtype, flat.numel(), root)
-            wire = _as_bytes(flat)
+            wire = self._as_bytes(flat)
             self.transport.broadcast(wire, root)
             if self.rank != root:
                 unpack()
@@ -173,7 +177,7 @@ class Collectives:
         src, _ = _flat(input)
         dst, unpack = _flat(output)
         self._agree(op, src.dtype, src.numel())
-        src, dst = _as_bytes(src), _as_bytes(dst)
+        src, dst = self._as_bytes(src), self._as_bytes(dst)
         getattr(self.transport, op)(dst, src)
         unpack()
 
@@ -212,7 +216,7 @@ class Collectives:
             everyone = torch.empty(self.world_size * n, dtype=src.dtype)
         elif adjacent is not None and n and overlap(src, adjacent) and src.data_ptr() != adjacent[root * n :].data_ptr():
             src = src.clone()  # the input lies in another rank's block, which the gather overwrites first
-        self.transport.gather(_as_bytes(everyone), _as_bytes(src), root)
+        self.transport.gather(self._as_bytes(everyone), self._as_bytes(src), root)
         if everyone is not None and adjacent is None:
             for out, block in zip(outputs, everyone.view(self.world_size, n)):
                 out.copy_(block.view_as(out))
@@ -226,7 +230,7 @@ class Collectives:
             everything = _adjacent(inputs)
             if everything is None:
                 everything, _ = _pack(inputs)
-        self.transport.scatter(_as_bytes(dst), _as_bytes(everything), root)
+        self.transport.scatter(self._as_bytes(dst), self._as_bytes(everything), root)
         unpack()
 
     def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
@@ -243,7 +247,7 @@ class Collectives:
         self._agree("all_to_all_v", src.dtype, 0)
         rows = self._agreed_splits(input_splits, output_splits, row, rule)
         unit = row * (src.element_size() if moved_as_bytes(src.dtype) else 1)  # a row, in what the transport moves
-        src, dst = _as_bytes(src), _as_bytes(dst)
+        src, dst = self._as_bytes(src), self._as_bytes(dst)
         if src.numel() and dst.numel() and overlap(src, dst):
             src = src.clone()  # blocks move to other offsets: writing the output would overwrite input not yet sent
         self.transport.all_to_all_v(dst, [c * unit for c in output_splits], src, [c * unit for c in input_splits],

@@ -95,6 +95,13 @@ def signature_code(dtype: torch.dtype) -> int:
     return code if code is not None else 64 + _ALL_DTYPES.index(dtype)
 
 
+def dtype_of_code(code: int) -> torch.dtype | None:
+    """The dtype of a ``signature_code``; None for 0 (no tensor) or a code it never gives."""
+    if code in DTYPE_BY_CODE:
+        return DTYPE_BY_CODE[code]
+    return _ALL_DTYPES[code - 64] if 64 <= code < 64 + len(_ALL_DTYPES) else None
+
+
 def from_torch(reduce_op: object) -> RedOp:
     """Map a ``dist.ReduceOp`` (or its ``RedOpType``) to ours (PREMUL_SUM: see ``reduction``)."""
     op = getattr(reduce_op, "op", reduce_op)

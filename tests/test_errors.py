@@ -61,7 +61,7 @@ def test_bad_input_raises_on_every_rank_and_group_stays_usable(transport):
 
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
-@pytest.mark.parametrize("kind", ["size", "dtype", "op", "all_gather_sizes", "all_gather_paths"])
+@pytest.mark.parametrize("kind", ["size", "dtype", "op", "moved_dtype", "all_gather_sizes", "all_gather_paths"])
 def test_mismatched_calls_raise_on_every_rank(transport, kind):
     reports = harness.values(harness.launch("tests.programs:mismatch", 2, env=TRANSPORT_ENVS[transport], kind=kind))
     for rank, error in enumerate(reports):

@@ -57,6 +57,10 @@ class Transport(abc.ABC):
     role: str = ""
     """What this transport's steps are to the user's group (the hierarchical transport's parts:
     "within the host", "between hosts"), for error messages."""
+    carrying: torch.dtype | None = None
+    """The user's dtype while a moving op's tensors pass through this transport as their uint8
+    bytes (algorithms.Collectives sets it), so that headers (shm) tell bool, uint8 and float8
+    apart; sizes stay in the bytes moved."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -64,7 +68,7 @@ class Transport(abc.ABC):
 
     def begin_call(self, call: int, op: str) -> None:
         """The process group is about to run its call number ``call``, ``op`` as the user named it."""
-        self.call_index, self.running = call, op
+        self.call_index, self.running, self.carrying = call, op, None
 
     def where(self, op: str) -> str:
         """The prefix of this transport's error messages (errors.where), naming the rank as the

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import COMBINE, DTYPE_BY_CODE, LOW_PRECISION, RedOp, as_sum, dtype_name, signature_code
+from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum, dtype_name, dtype_of_code, moved_as_bytes, signature_code
 from .base import Transport, block_offsets
 from .shm_segment import ShmSegment
 
@@ -29,10 +29,11 @@ _OP_NAMES = {code: name for name, code in _OP_CODES.items()}
 
 
 def _describe(header: tuple[int, ...]) -> str:
-    seq, call, op, dtype, numel, arg = header
+    seq, call, op, code, numel, arg = header
     name = _OP_NAMES.get(op, f"op{op}")
-    dt = dtype_name(DTYPE_BY_CODE[dtype]) if dtype in DTYPE_BY_CODE else "-"
-    return f"call #{call} {name}(numel={numel}, dtype={dt}, arg={arg})"
+    dtype = dtype_of_code(code)
+    size = f"{numel} bytes" if dtype is not None and moved_as_bytes(dtype) else f"numel={numel}"
+    return f"call #{call} {name}({size}, dtype={dtype_name(dtype) if dtype else '-'}, arg={arg})"
 
 
 class ShmTransport(Transport):
@@ -60,7 +61,7 @@ class ShmTransport(Transport):
         self.seq += 1
         self.seg.current_call = self.call_index
         self.seg.op_desc = f"{self.shown_op(op)}, call #{self.call_index}"
-        header = (self.seq, self.call_index, _OP_CODES[op], signature_code(dtype) if dtype else 0, numel, arg)
+        header = (self.seq, self.call_index, _OP_CODES[op], signature_code(self.carrying or dtype) if dtype else 0, numel, arg)
         self.seg.publish_header(header)
         return header
 
