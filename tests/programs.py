@@ -137,12 +137,19 @@ def one_rank_refuses(retry: bool = False, kind: str = "dtype") -> dict:
     the others left."""
     smddp_lite.init(timeout=timedelta(seconds=60))
     dist.all_reduce(torch.ones(3))
-    refuser = dist.get_world_size() - 1
-    if dist.get_rank() == refuser:
+    rank, refuser = dist.get_rank(), dist.get_world_size() - 1
+    # The others say when they start the call, and the refuser waits for that and then a while:
+    # a peer that had not started it when the refusal came would refuse it too, rightly letting the
+    # refuser's retry go on, and a plain half-second sleep let that happen on a loaded machine.
+    store = dist.distributed_c10d._get_default_store()
+    if rank == refuser:
+        store.wait([f"test-inside/{r}" for r in range(refuser)])
         time.sleep(0.5)  # the others are inside the call by now
+    else:
+        store.set(f"test-inside/{rank}", "1")
     waits, refuses = REFUSED_CALLS[kind]
-    error = _error_of(refuses if dist.get_rank() == refuser else waits)
-    if dist.get_rank() == refuser:
+    error = _error_of(refuses if rank == refuser else waits)
+    if rank == refuser:
         if retry:
             error["retry"] = _error_of(lambda: dist.all_reduce(torch.ones(3)))
         # stay alive: the others must not learn of the refusal only when this process exits and
