@@ -250,8 +250,7 @@ class Collectives:
         src, dst = self._as_bytes(src), self._as_bytes(dst)
         if src.numel() and dst.numel() and overlap(src, dst):
             src = src.clone()  # blocks move to other offsets: writing the output would overwrite input not yet sent
-        self.transport.all_to_all_v(dst, [c * unit for c in output_splits], src, [c * unit for c in input_splits],
-                                    [[c * unit for c in r] for r in rows])
+        self.transport.all_to_all_v(dst, src, [[c * unit for c in r] for r in rows])
         unpack()
 
     def all_gather_v(self, outputs: list[torch.Tensor], input: torch.Tensor) -> None:

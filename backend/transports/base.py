@@ -119,12 +119,15 @@ class Transport(abc.ABC):
         ``input`` is None on the other ranks."""
 
     @abc.abstractmethod
-    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
-                     input_splits: list[int], sends: list[list[int]]) -> None:
-        """Block ``q`` of ``input`` (``input_splits[q]`` elements) goes to rank ``q``, whose
-        ``output_splits[rank]`` says as much; blocks lie in rank order. ``sends[p][q]``: the
-        elements rank p sends rank q, for every pair, the same on every rank (the algorithms
-        layer has gathered and checked them), for transports that plan with them."""
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
+        """``sends[p][q]``: the elements rank p sends rank q, for every pair, the same on every
+        rank (the algorithms layer has gathered and checked them). Block ``q`` of ``input``
+        (``sends[rank][q]`` elements) goes to rank ``q``; block ``p`` of ``output``
+        (``sends[p][rank]``) comes from rank ``p``; blocks lie in rank order."""
+
+    def splits(self, sends: list[list[int]]) -> tuple[list[int], list[int]]:
+        """This rank's (input, output) block sizes in an all_to_all_v of ``sends``."""
+        return list(sends[self.rank]), [row[self.rank] for row in sends]
 
     def gather_split_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """The all_gather of every rank's split sizes that an uneven all_to_all starts with.

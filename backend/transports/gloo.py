@@ -160,9 +160,9 @@ class GlooTransport(Transport):
         work = self._pg.alltoall_base(output, input, [], [], dist.AllToAllOptions())
         return lambda: self._run("all_to_all", work)
 
-    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
-                     input_splits: list[int], sends: list[list[int]]) -> None:
-        work = self._pg.alltoall_base(output, input, list(output_splits), list(input_splits), dist.AllToAllOptions())
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
+        input_splits, output_splits = self.splits(sends)
+        work = self._pg.alltoall_base(output, input, output_splits, input_splits, dist.AllToAllOptions())
         self._run("all_to_all", work)
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:

@@ -324,9 +324,8 @@ class HierarchicalTransport(Transport):
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self.flat.all_to_all(output, input)
 
-    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
-                     input_splits: list[int], sends: list[list[int]]) -> None:
-        self.flat.all_to_all_v(output, output_splits, input, input_splits, sends)
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
+        self.flat.all_to_all_v(output, input, sends)
 
     # gloo's own gather and scatter: only the root receives, or each rank its block
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:

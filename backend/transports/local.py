@@ -35,8 +35,7 @@ class LocalTransport(Transport):
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
         output.copy_(input)
 
-    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
-                     input_splits: list[int], sends: list[list[int]]) -> None:
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
         output.copy_(input)
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:

@@ -156,10 +156,10 @@ class MPITransport(Transport):
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self._run("all_to_all", lambda: self.comm.Ialltoall(_buf(_unaliased(input, output)), _buf(output)))
 
-    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
-                     input_splits: list[int], sends: list[list[int]]) -> None:
-        send = [_buf(_unaliased(input, output)), (list(input_splits), block_offsets(input_splits))]
-        receive = [_buf(output), (list(output_splits), block_offsets(output_splits))]
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
+        input_splits, output_splits = self.splits(sends)
+        send = [_buf(_unaliased(input, output)), (input_splits, block_offsets(input_splits))]
+        receive = [_buf(output), (output_splits, block_offsets(output_splits))]
         self._run("all_to_all", lambda: self.comm.Ialltoallv(send, receive))
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:

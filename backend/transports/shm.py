@@ -198,8 +198,7 @@ class ShmTransport(Transport):
         # an op of its own in the headers, so that it never pairs with a peer's all_gather
         self.all_gather(output, input, "split_sizes")
 
-    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
-                     input_splits: list[int], sends: list[list[int]]) -> None:
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
         """Blocks of any size. Each rank's input is one stream, its blocks in rank order; step s
         stages a chunk of every rank's stream, elements [s C, (s + 1) C), with one copy, and each
         rank copies out the part of each peer's chunk that falls in the peer's block for it
@@ -210,7 +209,7 @@ class ShmTransport(Transport):
         totals = [sum(row) for row in sends]
         header = self._begin("all_to_all_v", input.dtype, sum(totals), 0)
         mine_at = [sum(row[:r]) for row in sends]  # where my block starts in rank p's stream
-        out_at = block_offsets(output_splits)
+        out_at = block_offsets(self.splits(sends)[1])
         for start, stop in self._steps(max(totals), input.element_size()):
             staged = max(0, min(stop, totals[r]) - start)
             self.seg.slot(self.step, r, input.dtype)[:staged].copy_(input[start : start + staged])
