@@ -237,7 +237,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             raise ValueError(f"root rank {root} is outside the group of {self.size()} ranks (0..{self.size() - 1})")
 
     def _reduce_op(self, opts) -> tuple[ops.RedOp, ops.Factor | None]:
-        """The op and, for a PREMUL_SUM, its factor (see ops.reduction and _premultiplied)."""
+        """The op and, for a PREMUL_SUM, its factor (see ops.reduction)."""
         return ops.reduction(getattr(opts, "reduceOp", opts))
 
     # collectives -------------------------------------------------------------------------------
@@ -246,10 +246,15 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         with self._preparing("all_reduce"):
             tensors = _as_list(tensors)
             op, factor = self._reduce_op(opts or dist.AllreduceOptions())
-        scale = _premultiplied(factor, lambda: [t.mul_(_factor_on(t, factor)) for t in tensors])
+
+        def sent() -> list[torch.Tensor]:
+            """For a PREMUL_SUM, the tensors times the factor, in place (the result overwrites
+            them anyway). Runs after the checks, on the communication thread (CPU) or the
+            caller's stream, which the collective's stream waits for (CUDA)."""
+            return tensors if factor is None else [t.mul_(_factor_on(t, factor)) for t in tensors]
+
         return self._run("all_reduce", tensors, tensors, lambda: _same_ops(op, tensors, factor),
-                         lambda: scale(lambda: self.collectives.all_reduce(tensors, op)),
-                         lambda n: scale(lambda: n.all_reduce(tensors, op)))
+                         lambda: self.collectives.all_reduce(sent(), op), lambda n: n.all_reduce(sent(), op))
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -540,14 +545,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             raise ValueError(f"expected {self.size()} {what} tensors (one per rank), found {len(blocks)}")
         for i, b in enumerate(blocks):
             self._check_tensor(op, b)
-            if not sizes and b.dtype != like.dtype:
-                raise ValueError(f"{what} tensor {i} is of {ops.dtype_name(b.dtype)}, expected "
-                                 f"{ops.dtype_name(like.dtype)} like the other tensor")
-            if sizes and (b.numel() != like.numel() or b.dtype != like.dtype):
-                raise ValueError(
-                    f"{what} tensor {i} has {b.numel()} elements of {ops.dtype_name(b.dtype)}, expected "
-                    f"{like.numel()} of {ops.dtype_name(like.dtype)} like the other tensor"
-                )
+            if b.dtype != like.dtype or (sizes and b.numel() != like.numel()):
+                found, expected = ops.dtype_name(b.dtype), ops.dtype_name(like.dtype)
+                differs = (f"has {b.numel()} elements of {found}, expected {like.numel()} of {expected}" if sizes
+                           else f"is of {found}, expected {expected}")
+                raise ValueError(f"{what} tensor {i} {differs} like the other tensor")
 
     def _sized(self, op: str, big: torch.Tensor, small: torch.Tensor, factor: int) -> None:
         if big.dtype != small.dtype:
@@ -665,18 +667,6 @@ def _same_ops(op: ops.RedOp, tensors: list[torch.Tensor], factor: ops.Factor | N
 def _factor_on(t: torch.Tensor, factor: ops.Factor) -> ops.Factor:
     """A PREMUL_SUM's factor, where ``t`` can be multiplied by it (a tensor factor on t's device)."""
     return factor.to(t.device) if isinstance(factor, torch.Tensor) and factor.device != t.device else factor
-
-
-def _premultiplied(factor: ops.Factor | None, scale: Callable[[], object]):
-    """A wrapper that runs ``scale`` (multiplies the inputs by a PREMUL_SUM's factor) before the
-    collective, when there is a factor: after the call's checks, on the communication thread (CPU)
-    or the caller's stream, which the collective's stream waits for (CUDA)."""
-    def wrapped(run: Callable[[], object]):
-        if factor is not None:
-            scale()
-        return run()
-
-    return wrapped
 
 
 def _own_keys(store, world_size: int):
