@@ -64,15 +64,16 @@ def bad_input() -> dict:
 def mismatch(kind: str) -> dict:
     """Ranks disagree on the size, dtype or op of one call: every rank must raise, promptly."""
     smddp_lite.init(timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
     calls = {
         "size": lambda: dist.all_reduce(torch.ones(10 + rank)),
         "dtype": lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank == 0 else torch.float64)),
         "op": lambda: dist.all_reduce(torch.ones(10)) if rank == 0 else dist.broadcast(torch.ones(10), src=0),
-        # one float8, one uint8: the same bytes, which shm moves as such; its headers must still differ
+        # the last rank float8, the others uint8: the same bytes, which shm moves as such; its
+        # headers must still differ
         "moved_dtype": lambda: dist.all_gather_into_tensor(
-            torch.empty(16, dtype=torch.float8_e4m3fn if rank == 0 else torch.uint8),
-            torch.zeros(8, dtype=torch.float8_e4m3fn if rank == 0 else torch.uint8)),
+            torch.empty(8 * dist.get_world_size(), dtype=torch.float8_e4m3fn if rank == last else torch.uint8),
+            torch.zeros(8, dtype=torch.float8_e4m3fn if rank == last else torch.uint8)),
         # outputs of different sizes: rank 0 expects 4 elements from rank 1, which sends 5
         "all_gather_sizes": lambda: dist.all_gather([torch.empty(3), torch.empty(4 if rank == 0 else 5)],
                                                     torch.ones(3 if rank == 0 else 5)),

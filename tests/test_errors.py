@@ -76,6 +76,23 @@ def test_mismatched_calls_raise_on_every_rank(transport, kind):
         assert error["seconds"] < 30, error
 
 
+def test_ranks_of_one_host_passing_different_dtypes_to_a_hierarchical_all_gather_are_told():
+    """Rank 3 passes float8, the others uint8 of the same size: the same bytes. Without
+    SMDDP_CHECK_COLLECTIVES, only the step inside a host (shm) compares the ranks' calls: its
+    headers must name the user's dtype, not the bytes moved, and its message the user's ranks,
+    not the host group's. (Ranks 0 and 1, on the other host, agree with each other and with
+    what gloo checks between hosts: they are not told.)"""
+    reports = harness.values(harness.launch("tests.programs:mismatch", 4, env={"SMDDP_ALGORITHM": "hierarchical"},
+                                            hosts_of=2, kind="moved_dtype"))
+    for rank in (2, 3):
+        error = reports[rank]
+        assert error["type"] == "CollectiveMismatchError", (rank, error)
+        for words in ("rank 2: call #1 all_gather(numel=16, dtype=uint8", "rank 3: call #1 all_gather(16 bytes, "
+                      "dtype=float8_e4m3fn", f"[smddp rank {rank}/4 "):
+            assert words in error["message"], error["message"]
+        assert error["seconds"] < 30, error
+
+
 @pytest.mark.parametrize("transport", ["shm", "gloo", "mpi"])
 def test_uneven_all_to_all_sizes_that_disagree_raise_on_every_rank(transport):
     """Checked always (not only with SMDDP_CHECK_COLLECTIVES): MPI fills the outputs partly and

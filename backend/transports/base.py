@@ -50,6 +50,9 @@ class Transport(abc.ABC):
     shown_as: tuple[int, int] | None = None
     """(rank, world size) that error messages name, when not this transport's own: the
     hierarchical transport's parts are groups of their own, whose ranks users never see."""
+    peers_shown: list[int] | None = None
+    """The rank the user's group gives each of this transport's ranks, when not their own (a
+    hierarchical transport's part), for messages that name peers (shm's)."""
     running: str | None = None
     """The collective the process group is running, as the user called it (all_reduce,
     all_gather_into_tensor, ...; begin_call), so an error in a step of it (a hierarchical

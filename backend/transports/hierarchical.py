@@ -111,12 +111,24 @@ class HierarchicalTransport(Transport):
             part.refusals = self.refusals
             part.shown_as = (rank, world_size)  # errors name the rank the user knows, not the part's
         self.intra.role, self.inter.role = "within the host", "between hosts"
+        self.intra.peers_shown = topology.local[self.node]  # shm's messages name peers (gloo's name none)
 
     def begin_call(self, call: int, op: str) -> None:
         # each part waits, and looks for refusals, in the group's call, and its errors name it
         super().begin_call(call, op)
         for part in (self.intra, self.inter, self.flat):
             part.begin_call(call, op)
+
+    @property
+    def carrying(self) -> torch.dtype | None:
+        return self.intra.carrying
+
+    @carrying.setter
+    def carrying(self, dtype: torch.dtype | None) -> None:
+        # the step inside the host (shm) checks headers: it must name the user's dtype too, so
+        # that ranks of one host passing float8 and uint8 of one size are told (gloo's parts
+        # check no headers)
+        self.intra.carrying = dtype
 
     def _hierarchical(self, op: str, nbytes: int) -> bool:
         use = self.always or nbytes >= self.min_bytes

@@ -265,6 +265,14 @@ class ShmTransport(Transport):
     def shown_as(self, value: tuple[int, int] | None) -> None:
         self.seg.shown_as = value
 
+    @property
+    def peers_shown(self) -> list[int] | None:
+        return self.seg.peers_shown
+
+    @peers_shown.setter
+    def peers_shown(self, value: list[int] | None) -> None:
+        self.seg.peers_shown = value
+
     def _refusal(self) -> str | None:
         """A refusal of the current call posted on the group's board (set when this transport is
         the host part of a hierarchical one); peers on this host use the segment's own flag."""

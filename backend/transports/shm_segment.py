@@ -84,7 +84,7 @@ class ShmSegment:
         headers = self.control[:, base : base + len(HEADER_FIELDS)]
         if (headers == np.asarray(header, dtype=np.int64)).all():
             return
-        lines = "; ".join(f"rank {r}: {describe(tuple(int(v) for v in h))}" for r, h in enumerate(headers))
+        lines = "; ".join(f"rank {self._shown(r)}: {describe(tuple(int(v) for v in h))}" for r, h in enumerate(headers))
         self.broken = True
         raise CollectiveMismatchError(
             f"{self._where()} ranks called different collectives "
@@ -97,6 +97,7 @@ class ShmSegment:
     current_call = -1  # index of the process-group call this rank is inside; the transport sets it
     refused = None  # the transport's look at its group's RefusalBoard, when its peers may refuse there
     shown_as: tuple[int, int] | None = None  # the transport's (rank, world size) for messages, if not ours
+    peers_shown: list[int] | None = None  # the rank messages give each of ours, if not ours (Transport's)
 
     def barrier(self) -> None:
         """Advance this rank's phase and wait until every rank has reached it."""
@@ -126,20 +127,24 @@ class ShmSegment:
     def _check_peers(self, waiting_for: int, waited_s: float) -> None:
         for peer in range(self.world_size):
             if self.control[peer, BROKEN]:
-                self._fail(f"rank {peer} aborted: {self._reason(peer)}")
+                self._fail(f"rank {self._shown(peer)} aborted: {self._reason(peer)}")
             if self.control[peer, REJECTED] == self.current_call >= 0:
-                self._fail(f"rank {peer} refused this call: {self._reason(peer)}", PeerRefusedError)
+                self._fail(f"rank {self._shown(peer)} refused this call: {self._reason(peer)}", PeerRefusedError)
         said = self.refused() if self.refused is not None else None
         if said is not None:  # a rank on another host, seen by the whole group (hierarchical)
             self._fail(said, PeerRefusedError)
         pid = int(self.control[waiting_for, PID])
         if pid and not _alive(pid):
-            self._fail(f"rank {waiting_for} (pid {pid}) died")
+            self._fail(f"rank {self._shown(waiting_for)} (pid {pid}) died")
         if waited_s > self.timeout_s:
             self._fail(
-                f"rank {waiting_for} did not arrive within the process group timeout "
+                f"rank {self._shown(waiting_for)} did not arrive within the process group timeout "
                 f"({self.timeout_s:.0f} s); it may be stuck or calling a different collective"
             )
+
+    def _shown(self, r: int) -> int:
+        """Rank ``r`` of this segment as messages name it: the user's rank."""
+        return self.peers_shown[r] if self.peers_shown else r
 
     def _where(self) -> str:
         """The prefix of the segment's errors, naming the rank as the user's group numbers it."""
