@@ -22,7 +22,8 @@ from .transports.base import Transport, overlap
 _BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
             RedOp.MIN: RedOp.MIN, RedOp.PRODUCT: RedOp.MIN, RedOp.BAND: RedOp.MIN, RedOp.BXOR: RedOp.BXOR}
 _SIGNATURE_OPS = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "reduce_scatter": 5,
-                  "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9, "all_to_all_v": 10}
+                  "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9, "all_to_all_v": 10,
+                  "all_gather_v": 11}
 
 
 # what an uneven all_to_all's ranks must agree on, said when they do not
@@ -254,15 +255,25 @@ class Collectives:
         unpack()
 
     def all_gather_v(self, outputs: list[torch.Tensor], input: torch.Tensor) -> None:
-        """``outputs[q]`` receives rank q's ``input``, whose sizes differ: an uneven all_to_all
-        whose every block is the input (so every rank's sizes are checked against its peers')."""
+        """``outputs[q]`` receives rank q's ``input``, whose sizes differ. Every rank's sizes are
+        first checked against its peers', as an uneven all_to_all's whose every block is the
+        input. Outputs that lie one after another (``list(out.split(sizes))``) are written where
+        they are; the input may be its own output."""
         src, _ = _flat(input)
-        sizes = [t.numel() for t in outputs]
-        received = torch.empty(sum(sizes), dtype=src.dtype)
-        self.all_to_all_v(received, sizes, src.repeat(self.world_size), [src.numel()] * self.world_size,
-                          rule="Rank q's output tensor p must have as many elements as rank p's input.")
-        for out, block in zip(outputs, received.split(sizes)):
-            out.copy_(block.view_as(out))
+        w, sizes = self.world_size, [t.numel() for t in outputs]
+        self._agree("all_gather_v", src.dtype, 0)
+        self._agreed_splits([src.numel()] * w, sizes, 1,
+                            rule="Rank q's output tensor p must have as many elements as rank p's input.")
+        adjacent = _adjacent(outputs)
+        received = adjacent if adjacent is not None else torch.empty(sum(sizes), dtype=src.dtype)
+        mine = sum(sizes[: self.rank])
+        if src.numel() and overlap(src, received) and src.data_ptr() != received[mine:].data_ptr():
+            src = src.clone()  # the input lies in another rank's output, which may be written first
+        unit = src.element_size() if moved_as_bytes(src.dtype) else 1  # an element, in what the transport moves
+        self.transport.all_gather_v(self._as_bytes(received), self._as_bytes(src), [n * unit for n in sizes])
+        if adjacent is None:
+            for out, block in zip(outputs, received.split(sizes)):
+                out.copy_(block.view_as(out))
 
     def _agreed_splits(self, input_splits: list[int], output_splits: list[int], row: int,
                        rule: str = _SPLIT_RULE) -> list[list[int]]:

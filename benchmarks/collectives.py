@@ -35,7 +35,7 @@ except Exception as exc:  # any failure matters only when "smddp" is requested
     smddp_lite, SMDDP_IMPORT_ERROR = None, exc
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
-       "all_to_all_skewed", "sendrecv")
+       "all_to_all_skewed", "all_gather_uneven", "sendrecv")
 REDUCING_OPS = {"all_reduce", "reduce_scatter", "reduce"}
 ROOTED_OPS = {"broadcast", "reduce", "gather", "scatter"}
 DTYPES = {  # --dtype: (torch dtype, nccl-tests type name)
@@ -230,7 +230,7 @@ def build_case(op, count, in_place, job, group):
     # the others have no in-place form in torch's API, so both columns time the same call on
     # dedicated buffers: two independent measurements. Sizes are the whole message (nccl-tests):
     # gather's output, scatter's input, every block of all_to_all (each rank's input, for the skewed one
-    # too); sendrecv sends all of it.
+    # too), all_gather_uneven's output; sendrecv sends all of it.
     k, root = count // n, job.root
     if op == "gather":
         inp, out = new(k), new(count)
@@ -249,6 +249,22 @@ def build_case(op, count, in_place, job, group):
         run = lambda: dist.all_to_all_single(out, inp, output_split_sizes=[splits[rank]] * n,
                                              input_split_sizes=splits, group=group)
         return Case(run, lambda: load(inp, rank), out)
+    if op == "all_gather_uneven":  # rank q sends skewed_splits[q] elements: the list all_gather
+        sizes = skewed_splits(count, n)
+        inp, out = new(sizes[rank]), new(count)
+        blocks = list(out.split(sizes))
+        if dist.get_backend(group) != "gloo":
+            return Case(lambda: dist.all_gather(blocks, inp, group=group), lambda: load(inp, rank), out)
+        # gloo refuses inputs of different sizes; what its users write instead: pad every
+        # input to the largest, all_gather those, and copy each rank's part out
+        padded, everyone = new(max(sizes)), new(n * max(sizes))
+
+        def pad_and_gather():
+            padded[: sizes[rank]].copy_(inp)
+            ALL_GATHER(everyone, padded, group=group)
+            for q, block in enumerate(blocks):
+                block.copy_(everyone[q * max(sizes) : q * max(sizes) + sizes[q]])
+        return Case(pad_and_gather, lambda: load(inp, rank), out)
     if op == "sendrecv":  # a ring: each rank sends to the next and receives from the one before
         inp, out = new(count), new(count)
         after, before = (rank + 1) % n, (rank - 1) % n
@@ -279,6 +295,8 @@ def expected_result(op, count, job):
         return pattern(job.root, 0, count, prod)
     if op == "all_gather":
         return torch.cat([pattern(r, 0, count // n, prod) for r in range(n)])
+    if op == "all_gather_uneven":
+        return torch.cat([pattern(r, 0, size, prod) for r, size in enumerate(skewed_splits(count, n))])
     if op in ("reduce", "gather") and job.rank != job.root:
         return None
     k = count // n
@@ -346,7 +364,7 @@ def bus_factor(op, n):
     """nccl-tests: busbw = algbw * factor is comparable to the link speed."""
     return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
             "gather": (n - 1) / n, "scatter": (n - 1) / n, "all_to_all": (n - 1) / n,
-            "all_to_all_skewed": (n - 1) / n}.get(op, 1.0)
+            "all_to_all_skewed": (n - 1) / n, "all_gather_uneven": (n - 1) / n}.get(op, 1.0)
 
 
 def make_row(op, size, backend, results, job):

@@ -133,12 +133,21 @@ def case_all_gather(shape, dtype, rank, world, form):
     return _mismatch(out, want)
 
 
-def case_all_gather_uneven(dtype, rank, world, scale):
+def case_all_gather_uneven(dtype, rank, world, scale, layout="separate"):
     """A list all_gather whose ranks send different sizes (rank 0 nothing), as an evaluation loop
-    gathers a last, short batch: NCCL takes these; gloo refuses them."""
+    gathers a last, short batch: NCCL takes these; gloo refuses them. The outputs are tensors of
+    their own ("separate"), the blocks of one tensor (``list(out.split(rows))``, "one_tensor"),
+    or that and the input is this rank's own block ("in_place")."""
     rows = lambda q: (q * 7) % 5 * scale  # noqa: E731
-    outs = [empty((rows(q), 33), dtype) for q in range(world)]
-    dist.all_gather(outs, on_device(seeded((rows(rank), 33), rank, dtype)))
+    mine = on_device(seeded((rows(rank), 33), rank, dtype))
+    if layout == "separate":
+        outs = [empty((rows(q), 33), dtype) for q in range(world)]
+    else:
+        outs = list(empty((sum(rows(q) for q in range(world)), 33), dtype).split([rows(q) for q in range(world)]))
+        if layout == "in_place":
+            outs[rank].copy_(mine)
+            mine = outs[rank]
+    dist.all_gather(outs, mine)
     return _mismatch(torch.cat(outs), torch.cat([seeded((rows(q), 33), q, dtype) for q in range(world)]))
 
 
@@ -422,6 +431,10 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
         for scale in (1, 3000):  # 3000 rows: several shm steps
             yield "all_gather", f"uneven-{str(dtype).replace('torch.', '')}-{scale}", case_all_gather_uneven, dict(
                 dtype=dtype, scale=scale)
+    for layout in ("one_tensor", "in_place"):
+        for dtype in (torch.float32, torch.float8_e4m3fn):
+            yield "all_gather", f"uneven-{layout}-{str(dtype).replace('torch.', '')}-3000", case_all_gather_uneven, dict(
+                dtype=dtype, scale=3000, layout=layout)
     yield "barrier", "three", case_barrier, {}
     yield "subgroup", "odd_even", case_subgroup, {}
 

@@ -132,6 +132,14 @@ class Transport(abc.ABC):
         """This rank's (input, output) block sizes in an all_to_all_v of ``sends``."""
         return list(sends[self.rank]), [row[self.rank] for row in sends]
 
+    def all_gather_v(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int]) -> None:
+        """``output`` receives every rank's ``input``, rank p's of ``sizes[p]`` elements, in rank
+        order; ``sizes`` is the same on every rank (the algorithms layer has checked them). Here
+        an all_to_all_v whose every block is the input (world_size copies of it): for transports
+        without a form of their own (gloo has none; shm and MPI override this)."""
+        w = self.world_size
+        self.all_to_all_v(output, input.repeat(w), [[n] * w for n in sizes])
+
     def gather_split_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """The all_gather of every rank's split sizes that an uneven all_to_all starts with.
         Transports that check headers (shm) name it apart, so that a rank here is told of a peer

@@ -162,6 +162,10 @@ class MPITransport(Transport):
         receive = [_buf(output), (output_splits, block_offsets(output_splits))]
         self._run("all_to_all", lambda: self.comm.Ialltoallv(send, receive))
 
+    def all_gather_v(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int]) -> None:
+        receive = [_buf(output), (list(sizes), block_offsets(sizes))]
+        self._run("all_gather", lambda: self.comm.Iallgatherv(_buf(_unaliased(input, output)), receive))
+
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
         n = input.numel()
         in_place = self.rank == root and n and input.data_ptr() == output[root * n :].data_ptr()

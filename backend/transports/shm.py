@@ -24,7 +24,8 @@ from .shm_segment import ShmSegment
 ONE_SHOT_BYTES = 16 << 10  # all_reduce below this size uses one barrier (see all_reduce)
 
 _OP_CODES = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "reduce_scatter": 5,
-             "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9, "all_to_all_v": 10, "split_sizes": 11}
+             "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9, "all_to_all_v": 10, "split_sizes": 11,
+             "all_gather_v": 12}
 _OP_NAMES = {code: name for name, code in _OP_CODES.items()}
 
 
@@ -219,6 +220,24 @@ class ShmTransport(Transport):
                 if lo < hi:
                     at = out_at[p] + lo - mine_at[p]
                     output[at : at + hi - lo].copy_(self.seg.slot(self.step, p, input.dtype)[lo - start : hi - start])
+
+    def all_gather_v(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int]) -> None:
+        """Inputs of different sizes: all_gather's steps over the largest, step s staging
+        elements [s C, (s + 1) C) of each rank's input (what it has of them). Each input is
+        staged once; as an all_to_all_v it was staged world_size times, after a copy that
+        repeated it world_size times."""
+        r, w = self.rank, self.world_size
+        header = self._begin("all_gather_v", input.dtype, sum(sizes), 0)
+        at = block_offsets(sizes)
+        for start, stop in self._steps(max(sizes), input.element_size()):
+            staged = max(0, min(stop, sizes[r]) - start)
+            self.seg.slot(self.step, r, input.dtype)[:staged].copy_(input[start : start + staged])
+            self._sync(header if start == 0 else None)
+            for q in range(w):
+                k = min(stop, sizes[q]) - start
+                if k > 0:
+                    src = input[start : start + k] if q == r else self.seg.slot(self.step, q, input.dtype)[:k]
+                    output[at[q] + start : at[q] + start + k].copy_(src)
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
         # all_gather's steps, with only the root reading: the others write and pass the barrier
