@@ -10,14 +10,16 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from backend.process_group import _own_keys
 from backend.transports.refusals import RefusalBoard
 
 TIMEOUT = timedelta(seconds=10)
 
 
 def _group(store, world: int) -> list[RefusalBoard]:
-    """One incarnation of a group: every rank makes its board, as every rank makes its transport."""
-    return [RefusalBoard(store, rank, world, TIMEOUT) for rank in range(world)]
+    """One incarnation of a group: every rank makes its board, as every rank makes its transport,
+    on the part of the store the process group keeps for that incarnation."""
+    return [RefusalBoard(_own_keys(store, world), rank, world, TIMEOUT) for rank in range(world)]
 
 
 def _hear(board: RefusalBoard, call: int) -> str:

@@ -48,12 +48,10 @@ class RefusalBoard:
 
     def __init__(self, store, rank: int, world_size: int, timeout: timedelta) -> None:
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        # A group destroyed and made again under the same store prefix (destroy_process_group
-        # and a new init on torchrun's agent store, say) numbers its calls from 1 again: the
-        # keys of each incarnation live apart, so an old refusal cannot fail a new call. Every
-        # rank of the group adds 1 while the group is made, so each computes the same number.
-        incarnation = (store.add("smddp-refused/incarnations", 1) - 1) // world_size
-        self._store = dist.PrefixStore(f"smddp-refused/{incarnation}", store)
+        # ``store`` is the process group's own part of the store (process_group._own_keys): a
+        # group destroyed and made again under the same prefix numbers its calls from 1 again,
+        # and gets a part of its own, so an old refusal cannot fail a new call
+        self._store = dist.PrefixStore("smddp-refused", store)
         self._looking_at = (0, 0.0, 0.0)  # (call, first look, last look) of the current wait
         self.hears_failures = False
         """Whether waits also look for a failure announced in any call (announce_failure): a
