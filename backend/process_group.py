@@ -254,7 +254,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return tensors if factor is None else [t.mul_(_factor_on(t, factor)) for t in tensors]
 
         return self._run("all_reduce", tensors, tensors, lambda: _same_ops(op, tensors, factor),
-                         lambda: self.collectives.all_reduce(sent(), op), lambda n: n.all_reduce(sent(), op))
+                         lambda: self.collectives.all_reduce(sent(), op),
+                         lambda n: n.check("all_reduce", [t.dtype for t in tensors], op) or n.all_reduce(sent(), op))
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -289,7 +290,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return t.mul_(_factor_on(t, factor)) if self.rank() == root else t * _factor_on(t, factor)
 
         return self._run("reduce", tensors, tensors, check, lambda: self.collectives.reduce(sent(), root, op),
-                         lambda n: n.reduce(sent(), root, op))
+                         lambda n: n.check("reduce", [tensors[0].dtype], op) or n.reduce(sent(), root, op))
 
     @_device_aware("all_gather")
     def allgather(self, output_tensors, input_tensors, opts=None):

@@ -94,6 +94,13 @@ class NcclPath:
         self.last_device = device
         return work
 
+    def check(self, op: str, dtypes: list[torch.dtype], red: RedOp | None = None) -> None:
+        """Raise NeedsStaging if NCCL cannot run ``op`` on ``dtypes`` with ``red``: for calls that
+        change their tensors before the collective (a PREMUL_SUM's scaling), which must not
+        happen twice when the call is then staged."""
+        for dtype in dtypes:
+            self._code(op, dtype, red)
+
     def _code(self, op: str, dtype: torch.dtype, red: RedOp | None = None) -> tuple[int, int | None, bool]:
         """(NCCL dtype, NCCL op, divide by world size afterwards) for ``dtype`` and ``red``."""
         if dtype == torch.bool:
