@@ -400,10 +400,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         op = "all_to_all_single"
         n = self.size()
-        # explicit equal splits (MoE code passes them always) are the even case: NCCL runs it on CUDA
-        uneven = output.numel() != input.numel() or any(
-            splits and list(splits) != _equal(t.shape[0] if t.dim() else 0, n)
-            for splits, t in ((output_split_sizes, output), (input_split_sizes, input)))
+        # Split sizes given (MoE routing; torch's functional collectives give equal ones always)
+        # take the uneven path on every rank, equal or not: the ranks must all take the same one,
+        # and a rank's own sizes may be equal (its routing balanced) where a peer's are not.
+        # Both run NCCL on CUDA, as grouped sends and receives that pair with each other.
+        uneven = output.numel() != input.numel() or bool(output_split_sizes) or bool(input_split_sizes)
 
         def check() -> None:
             if output.dtype != input.dtype:
@@ -422,10 +423,15 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
         body = nccl = None
         if uneven:
+            row = input.shape[1:].numel()
+            output_rows = lambda: list(output_split_sizes) or _equal(output.shape[0], n)  # noqa: E731
+            input_rows = lambda: list(input_split_sizes) or _equal(input.shape[0], n)  # noqa: E731
+
             def body() -> None:
-                self.collectives.all_to_all_v(output, list(output_split_sizes) or _equal(output.shape[0], n), input,
-                                              list(input_split_sizes) or _equal(input.shape[0], n),
-                                              input.shape[1:].numel())
+                self.collectives.all_to_all_v(output, output_rows(), input, input_rows(), row)
+
+            def nccl(path):
+                return path.all_to_all_v(output, [c * row for c in output_rows()], input, [c * row for c in input_rows()])
         else:
             def body() -> None:
                 self.collectives.all_to_all(output, input)

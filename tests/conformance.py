@@ -275,6 +275,21 @@ def case_all_to_all_uneven(dtype, rank, world, form, scale, width):
     return _mismatch(out, torch.cat(want))
 
 
+def case_all_to_all_one_rank_balanced(rank, world):
+    """Split sizes on every rank, equal on rank 0 only (its routing balanced, as happens in MoE):
+    rank 0 sends and receives 700 rows from every rank, the others send each other uneven blocks.
+    Every rank must take the same path: rank 0 took the equal all_to_all's and met its peers'
+    exchange of sizes (a mismatch on shm; a hang on gloo and MPI)."""
+    rows = lambda p, q: 700 if 0 in (p, q) else uneven_rows(p, q, 3000)  # noqa: E731
+    width = 33
+    sent = [seeded((rows(rank, q), width), rank * world + q, torch.float32) for q in range(world)]
+    out = empty((sum(rows(q, rank) for q in range(world)), width), torch.float32)
+    dist.all_to_all_single(out, on_device(torch.cat(sent)), output_split_sizes=[rows(q, rank) for q in range(world)],
+                           input_split_sizes=[rows(rank, q) for q in range(world)])
+    return _mismatch(out, torch.cat([seeded((rows(q, rank), width), q * world + rank, torch.float32)
+                                     for q in range(world)]))
+
+
 def case_all_to_all_uneven_in_place(rank, world):
     """An uneven all_to_all_single whose output is its input. Sizes are symmetric (rank p sends
     rank q what q sends p), so every rank's total stays the same, but a block's place in the
@@ -421,6 +436,7 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
     yield "gather", "input_in_another_block_of_the_output", case_gather_input_in_output, {}
     yield "scatter", "output_in_another_block_of_the_input", case_scatter_output_in_input, {}
     yield "all_to_all_uneven", "output_is_the_input", case_all_to_all_uneven_in_place, {}
+    yield "all_to_all_uneven", "one_rank_balanced", case_all_to_all_one_rank_balanced, {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for op, group in (("all_reduce", "all_reduce"), ("reduce", "reduce"), ("reduce_scatter_list", "reduce_scatter"),
                           ("reduce_scatter_tensor", "reduce_scatter")):

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import SMDDPError, where
 from ..ops import BITWISE_OPS, FLOATS, RedOp
+from ..transports.base import overlap
 from .communicators import (NCCL_AVG_VERSION, NCCL_BF16_VERSION, NCCL_DTYPE_NAMES, NCCL_OP_NAMES, Communicators,
                             nccl_version_string)
 from .environment import efa_devices, find_net_plugin, network_report
@@ -230,6 +231,31 @@ class NcclPath:
 
         return self._launch("all_to_all", input.device, _touched(src, dst), [output], enqueue)
 
+    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
+                     input_splits: list[int]) -> CudaWork:
+        """Blocks of any size: block ``q`` of ``input`` (``input_splits[q]`` elements) goes to
+        rank ``q``; block ``q`` of ``output`` (``output_splits[q]``) comes from it. The same
+        grouped sends and receives as all_to_all's, so a rank whose blocks are equal pairs with
+        one whose blocks are not. Split sizes are not compared across ranks (torch's nccl does
+        not either): ranks that disagree wait for the watchdog's timeout."""
+        dt = self._code("all_to_all", input.dtype)[0]
+        if input.numel() and output.numel() and overlap(input.reshape(-1), output.reshape(-1)):
+            input = input.clone()  # received blocks would land on input not yet sent
+        src, dst = _Flat(input), _Flat(output)
+        size = input.element_size()
+        send_at, receive_at = _offsets(input_splits), _offsets(output_splits)
+
+        def enqueue(comm, stream: int) -> None:
+            with _group(self.nccl, True):  # sends and receives of one step must be one group
+                for q in range(self.world_size):
+                    if input_splits[q]:  # the peer skips the matching receive of nothing too
+                        comm.send(src.ptr + send_at[q] * size, input_splits[q], dt, q, stream)
+                    if output_splits[q]:
+                        comm.recv(dst.ptr + receive_at[q] * size, output_splits[q], dt, q, stream)
+            dst.write_back()
+
+        return self._launch("all_to_all", input.device, _touched(src, dst), [output], enqueue)
+
     def barrier(self) -> CudaWork:
         """A one-element all_reduce on the device this group last used, which the host then
         waits for (as ProcessGroupNCCL's barrier does): earlier collectives have ended too."""
@@ -281,6 +307,11 @@ class _Flat:
     def write_back(self) -> None:
         if self.copied:
             self.tensor.copy_(self.flat.view_as(self.tensor))
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Where each of consecutive blocks of ``sizes`` starts."""
+    return [sum(sizes[:q]) for q in range(len(sizes))]
 
 
 def _touched(*flats: _Flat) -> list[torch.Tensor]:
