@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveMismatchError, PeerRefusedError, where
-from .ops import LOW_PRECISION, RedOp, as_sum, moved_as_bytes, signature_code
+from .ops import LOW_PRECISION, RedOp, as_sum, dtype_name, dtype_of_code, moved_as_bytes, signature_code
 from .scratch import DEFAULT_MAX_BYTES, Scratch
 from .transports.base import Transport, overlap
 
@@ -114,7 +114,8 @@ class Collectives:
         if all(s == mine for s in everyone):
             return
         names = {v: k for k, v in _SIGNATURE_OPS.items()}
-        seen = "; ".join(f"rank {r}: {names.get(s[0], s[0])}(numel={s[2]}, dtype code {s[1]}, arg {s[3]})"
+        dtypes = lambda code: dtype_name(dtype_of_code(code)) if code else "-"  # noqa: E731
+        seen = "; ".join(f"rank {r}: {names.get(s[0], s[0])}(numel={s[2]}, dtype={dtypes(s[1])}, arg={s[3]})"
                          for r, s in enumerate(everyone))
         raise CollectiveMismatchError(
             f"{where(self.rank, self.world_size, op)} ranks called different collectives ({seen}). Every "

@@ -73,6 +73,9 @@ def test_mismatched_calls_raise_on_every_rank(transport, kind):
             assert "output tensor p must have as many elements as rank p's input" in error["message"], error["message"]
         else:
             assert "rank 0:" in error["message"] and "rank 1:" in error["message"], error["message"]
+        if kind in ("dtype", "moved_dtype"):  # named, not as the codes that travel
+            for name in (("float32", "float64") if kind == "dtype" else ("float8_e4m3fn", "uint8")):
+                assert f"dtype={name}" in error["message"], error["message"]
         assert error["seconds"] < 30, error
 
 
