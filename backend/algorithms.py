@@ -71,6 +71,12 @@ def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), first.storage_offset(), (total,))
 
 
+def _moved_per_element(dtype: torch.dtype) -> int:
+    """How many of what the transport moves make one element of ``dtype``: its bytes where
+    ``moved_as_bytes`` says so (sizes of such ops are then counted in bytes), else 1."""
+    return dtype.itemsize if moved_as_bytes(dtype) else 1
+
+
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
@@ -248,7 +254,7 @@ class Collectives:
         dst, unpack = _flat(output)
         self._agree("all_to_all_v", src.dtype, 0)
         rows = self._agreed_splits(input_splits, output_splits, row, rule)
-        unit = row * (src.element_size() if moved_as_bytes(src.dtype) else 1)  # a row, in what the transport moves
+        unit = row * _moved_per_element(src.dtype)  # a row, in what the transport moves
         src, dst = self._as_bytes(src), self._as_bytes(dst)
         if src.numel() and dst.numel() and overlap(src, dst):
             src = src.clone()  # blocks move to other offsets: writing the output would overwrite input not yet sent
@@ -270,7 +276,7 @@ class Collectives:
         mine = sum(sizes[: self.rank])
         if src.numel() and overlap(src, received) and src.data_ptr() != received[mine:].data_ptr():
             src = src.clone()  # the input lies in another rank's output, which may be written first
-        unit = src.element_size() if moved_as_bytes(src.dtype) else 1  # an element, in what the transport moves
+        unit = _moved_per_element(src.dtype)
         self.transport.all_gather_v(self._as_bytes(received), self._as_bytes(src), [n * unit for n in sizes])
         if adjacent is None:
             for out, block in zip(outputs, received.split(sizes)):

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import SMDDPError, where
 from ..ops import BITWISE_OPS, FLOATS, RedOp
-from ..transports.base import overlap
+from ..transports.base import block_offsets, overlap
 from .communicators import (NCCL_AVG_VERSION, NCCL_BF16_VERSION, NCCL_DTYPE_NAMES, NCCL_OP_NAMES, Communicators,
                             nccl_version_string)
 from .environment import efa_devices, find_net_plugin, network_report
@@ -243,7 +243,7 @@ class NcclPath:
             input = input.clone()  # received blocks would land on input not yet sent
         src, dst = _Flat(input), _Flat(output)
         size = input.element_size()
-        send_at, receive_at = _offsets(input_splits), _offsets(output_splits)
+        send_at, receive_at = block_offsets(input_splits), block_offsets(output_splits)
 
         def enqueue(comm, stream: int) -> None:
             with _group(self.nccl, True):  # sends and receives of one step must be one group
@@ -307,11 +307,6 @@ class _Flat:
     def write_back(self) -> None:
         if self.copied:
             self.tensor.copy_(self.flat.view_as(self.tensor))
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    """Where each of consecutive blocks of ``sizes`` starts."""
-    return [sum(sizes[:q]) for q in range(len(sizes))]
 
 
 def _touched(*flats: _Flat) -> list[torch.Tensor]:
