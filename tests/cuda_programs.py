@@ -79,6 +79,48 @@ def ddp_parity(steps: int = 8) -> dict:
     return {"max_diff": diff}
 
 
+def moved_dtypes() -> dict:
+    """Ops that only move data, on dtypes NCCL has no type for: each must give the input back
+    (world size 1) and none may be sent through host memory (the debug log says when one is)."""
+    import logging
+
+    device = _device()
+    staged: list[str] = []
+
+    class Staged(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "goes through host memory" in record.getMessage():
+                staged.append(record.getMessage())
+
+    logger = logging.getLogger("smddp_lite")
+    logger.addHandler(Staged())
+    logger.setLevel(logging.DEBUG)
+    smddp_lite.init()
+    world = dist.get_world_size()
+    wrong = []
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int16, torch.complex64):
+        # compared as bytes: float8's NaN patterns and complex values are then compared exactly
+        x = torch.randn(4 * world, 3, dtype=dtype if dtype.is_complex else torch.float32, device=device).to(dtype)
+        b = x.clone()
+        dist.broadcast(b, 0)
+        gathered = torch.empty(world * x.shape[0], 3, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(gathered, x)
+        listed = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(listed, x)
+        exchanged = torch.empty_like(x)
+        dist.all_to_all_single(exchanged, x)
+        split = torch.empty_like(x)
+        dist.all_to_all_single(split, x, [x.shape[0] // world] * world, [x.shape[0] // world] * world)
+        for name, got in (("broadcast", b), ("all_gather_into_tensor", gathered[: x.shape[0]]), ("all_gather", listed[0]),
+                          ("all_to_all_single", exchanged), ("all_to_all_single with splits", split)):
+            if not torch.equal(got.view(torch.uint8), x.view(torch.uint8)):
+                wrong.append(f"{name} {dtype}")
+    torch.cuda.synchronize()
+    result = {"wrong": wrong, "staged": staged, "transport": smddp_lite_cuda_transport()}
+    dist.destroy_process_group()
+    return result
+
+
 def bad_input() -> dict:
     """Tensors on two devices in one call: a clear error at once, and the group still works."""
     device = _device()

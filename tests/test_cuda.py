@@ -255,6 +255,16 @@ def test_ddp_on_cuda_matches_torch(transport, world):
 
 
 @on_gpu
+@needs_cupy
+def test_dtypes_without_an_nccl_type_are_moved_as_bytes_over_nccl():
+    """float8 (FSDP2's float8 all_gather), int16 and complex: broadcast, all_gather and
+    all_to_all carry their bytes over NCCL instead of copying them through host memory."""
+    (r,) = harness.values(harness.launch("tests.cuda_programs:moved_dtypes", 1, env={"SMDDP_CUDA_TRANSPORT": "nccl"}))
+    assert r["transport"] == "nccl" and not r["wrong"], r
+    assert not r["staged"], r
+
+
+@on_gpu
 @pytest.mark.parametrize("transport", [pytest.param("nccl", marks=needs_cupy), "staged"])
 def test_mixed_devices_are_refused_clearly(transport):
     (r,) = harness.values(harness.launch("tests.cuda_programs:bad_input", 1, env={"SMDDP_CUDA_TRANSPORT": transport}))

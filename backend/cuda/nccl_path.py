@@ -5,7 +5,9 @@ waits for the caller's current stream (so whatever the caller's kernels wrote is
 and the host returns at once with a ``CudaWork`` (see work.py). Lists of tensors go through one
 NCCL group call. What NCCL cannot do itself raises ``NeedsStaging`` before anything is enqueued,
 and the process group sends that call through host memory instead (staged.py): bitwise ops on
-integers (NCCL has none) and XOR on bool.
+integers (NCCL has none) and XOR on bool. Ops that only move data (broadcast, all_gather,
+all_to_all) carry a dtype NCCL has no type for (float8, int16, complex, ...) as its bytes, so
+FSDP2's float8 all_gather stays on the GPU.
 
 Numerics are NCCL's, as with torch's "nccl" backend: 16-bit floats are reduced in their own
 dtype hop by hop, AVG is NCCL's native average (NCCL >= 2.10; older: SUM, then one division on
@@ -102,6 +104,16 @@ class NcclPath:
         for dtype in dtypes:
             self._code(op, dtype, red)
 
+    def _moved(self, op: str, dtype: torch.dtype) -> tuple[int, int]:
+        """(NCCL dtype, how many of it make one element of ``dtype``) for an op that only moves
+        data: ``dtype``'s own NCCL type, else its bytes as NCCL's uint8. Staging such a call
+        copied it to the host and back, and ran the host transport between (float8 parameters'
+        all_gather under FSDP2, int16 and bfloat16 before NCCL 2.10)."""
+        try:
+            return self._code(op, dtype)[0], 1
+        except NeedsStaging:
+            return self._dtype[torch.uint8], dtype.itemsize
+
     def _code(self, op: str, dtype: torch.dtype, red: RedOp | None = None) -> tuple[int, int | None, bool]:
         """(NCCL dtype, NCCL op, divide by world size afterwards) for ``dtype`` and ``red``."""
         if dtype == torch.bool:
@@ -140,13 +152,13 @@ class NcclPath:
         return self._launch("all_reduce", tensors[0].device, _touched(*flats), tensors, enqueue)
 
     def broadcast(self, tensors: list[torch.Tensor], root: int) -> CudaWork:
-        codes = [self._code("broadcast", t.dtype)[0] for t in tensors]
+        codes = [self._moved("broadcast", t.dtype) for t in tensors]
         flats = [_Flat(t) for t in tensors]
 
         def enqueue(comm, stream: int) -> None:
             with _group(self.nccl, len(flats) > 1):
-                for f, dt in zip(flats, codes):
-                    comm.broadcast(f.ptr, f.ptr, f.numel, dt, root, stream)
+                for f, (dt, per) in zip(flats, codes):
+                    comm.broadcast(f.ptr, f.ptr, f.numel * per, dt, root, stream)
             for f in flats:
                 f.write_back()
 
@@ -167,23 +179,23 @@ class NcclPath:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> CudaWork:
         """``output`` (world_size * n elements, contiguous) receives every rank's ``input``."""
-        dt = self._code("all_gather", input.dtype)[0]
+        dt, per = self._moved("all_gather", input.dtype)
         src, dst = _Flat(input), _Flat(output)
 
         def enqueue(comm, stream: int) -> None:
-            comm.allGather(src.ptr, dst.ptr, src.numel, dt, stream)
+            comm.allGather(src.ptr, dst.ptr, src.numel * per, dt, stream)
             dst.write_back()
 
         return self._launch("all_gather", input.device, _touched(src, dst), [output], enqueue)
 
     def all_gather_list(self, outputs: list[torch.Tensor], input: torch.Tensor) -> CudaWork:
-        dt = self._code("all_gather", input.dtype)[0]
+        dt, per = self._moved("all_gather", input.dtype)
         src = _Flat(input)
         n = src.numel
 
         def enqueue(comm, stream: int) -> None:
             flat = torch.empty(self.world_size * n, dtype=input.dtype, device=input.device)
-            comm.allGather(src.ptr, _ptr(flat), n, dt, stream)
+            comm.allGather(src.ptr, _ptr(flat), n * per, dt, stream)
             for out, block in zip(outputs, flat.split(n) if n else [flat] * self.world_size):
                 out.copy_(block.view_as(out))
 
@@ -217,7 +229,7 @@ class NcclPath:
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> CudaWork:
         """Block ``q`` of ``input`` (equal blocks) goes to rank ``q``'s block ``rank``."""
-        dt = self._code("all_to_all", input.dtype)[0]
+        dt, per = self._moved("all_to_all", input.dtype)
         src, dst = _Flat(input), _Flat(output)
         n = src.numel // self.world_size
         size = input.element_size()
@@ -225,8 +237,8 @@ class NcclPath:
         def enqueue(comm, stream: int) -> None:
             with _group(self.nccl, True):  # sends and receives of one step must be one group
                 for q in range(self.world_size):
-                    comm.send(src.ptr + q * n * size, n, dt, q, stream)
-                    comm.recv(dst.ptr + q * n * size, n, dt, q, stream)
+                    comm.send(src.ptr + q * n * size, n * per, dt, q, stream)
+                    comm.recv(dst.ptr + q * n * size, n * per, dt, q, stream)
             dst.write_back()
 
         return self._launch("all_to_all", input.device, _touched(src, dst), [output], enqueue)
@@ -238,7 +250,7 @@ class NcclPath:
         grouped sends and receives as all_to_all's, so a rank whose blocks are equal pairs with
         one whose blocks are not. Split sizes are not compared across ranks (torch's nccl does
         not either): ranks that disagree wait for the watchdog's timeout."""
-        dt = self._code("all_to_all", input.dtype)[0]
+        dt, per = self._moved("all_to_all", input.dtype)
         if input.numel() and output.numel() and overlap(input.reshape(-1), output.reshape(-1)):
             input = input.clone()  # received blocks would land on input not yet sent
         src, dst = _Flat(input), _Flat(output)
@@ -249,9 +261,9 @@ class NcclPath:
             with _group(self.nccl, True):  # sends and receives of one step must be one group
                 for q in range(self.world_size):
                     if input_splits[q]:  # the peer skips the matching receive of nothing too
-                        comm.send(src.ptr + send_at[q] * size, input_splits[q], dt, q, stream)
+                        comm.send(src.ptr + send_at[q] * size, input_splits[q] * per, dt, q, stream)
                     if output_splits[q]:
-                        comm.recv(dst.ptr + receive_at[q] * size, output_splits[q], dt, q, stream)
+                        comm.recv(dst.ptr + receive_at[q] * size, output_splits[q] * per, dt, q, stream)
             dst.write_back()
 
         return self._launch("all_to_all", input.device, _touched(src, dst), [output], enqueue)
