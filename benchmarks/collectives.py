@@ -227,6 +227,8 @@ def build_case(op, count, in_place, job, group):
         out = inp.chunk(n)[rank] if in_place else new(count // n)
         run = lambda: REDUCE_SCATTER(out, inp, op=redop, group=group)
         return Case(run, lambda: load(inp, rank), out)
+    if op == "all_gather_uneven":  # in-place: the input is this rank's own block of the outputs
+        return uneven_all_gather_case(count, in_place, job, group, new, load)
     # the others have no in-place form in torch's API, so both columns time the same call on
     # dedicated buffers: two independent measurements. Sizes are the whole message (nccl-tests):
     # gather's output, scatter's input, every block of all_to_all (each rank's input, for the skewed one
@@ -249,22 +251,6 @@ def build_case(op, count, in_place, job, group):
         run = lambda: dist.all_to_all_single(out, inp, output_split_sizes=[splits[rank]] * n,
                                              input_split_sizes=splits, group=group)
         return Case(run, lambda: load(inp, rank), out)
-    if op == "all_gather_uneven":  # rank q sends skewed_splits[q] elements: the list all_gather
-        sizes = skewed_splits(count, n)
-        inp, out = new(sizes[rank]), new(count)
-        blocks = list(out.split(sizes))
-        if dist.get_backend(group) != "gloo":
-            return Case(lambda: dist.all_gather(blocks, inp, group=group), lambda: load(inp, rank), out)
-        # gloo refuses inputs of different sizes; what its users write instead: pad every
-        # input to the largest, all_gather those, and copy each rank's part out
-        padded, everyone = new(max(sizes)), new(n * max(sizes))
-
-        def pad_and_gather():
-            padded[: sizes[rank]].copy_(inp)
-            ALL_GATHER(everyone, padded, group=group)
-            for q, block in enumerate(blocks):
-                block.copy_(everyone[q * max(sizes) : q * max(sizes) + sizes[q]])
-        return Case(pad_and_gather, lambda: load(inp, rank), out)
     if op == "sendrecv":  # a ring: each rank sends to the next and receives from the one before
         inp, out = new(count), new(count)
         after, before = (rank + 1) % n, (rank - 1) % n
@@ -285,6 +271,28 @@ def build_case(op, count, in_place, job, group):
     else:
         run = lambda: dist.all_reduce(buf, op=redop, group=group)
     return Case(run, lambda: load(buf, rank), buf)
+
+
+def uneven_all_gather_case(count, in_place, job, group, new, load):
+    """A list all_gather whose inputs differ in size (rank q's is skewed_splits[q] elements),
+    into the blocks of one tensor; in place, each rank's input is its own block."""
+    n, rank = job.world, job.rank
+    sizes = skewed_splits(count, n)
+    out = new(count)
+    blocks = list(out.split(sizes))
+    inp = blocks[rank] if in_place else new(sizes[rank])
+    if dist.get_backend(group) != "gloo":
+        return Case(lambda: dist.all_gather(blocks, inp, group=group), lambda: load(inp, rank), out)
+    # gloo refuses inputs of different sizes; what its users write instead: pad every
+    # input to the largest, all_gather those, and copy each rank's part out
+    padded, everyone = new(max(sizes)), new(n * max(sizes))
+
+    def pad_and_gather():
+        padded[: sizes[rank]].copy_(inp)
+        ALL_GATHER(everyone, padded, group=group)
+        for q, block in enumerate(blocks):
+            block.copy_(everyone[q * max(sizes) : q * max(sizes) + sizes[q]])
+    return Case(pad_and_gather, lambda: load(inp, rank), out)
 
 
 def expected_result(op, count, job):

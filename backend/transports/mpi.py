@@ -163,8 +163,11 @@ class MPITransport(Transport):
         self._run("all_to_all", lambda: self.comm.Ialltoallv(send, receive))
 
     def all_gather_v(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int]) -> None:
-        receive = [_buf(output), (list(sizes), block_offsets(sizes))]
-        self._run("all_gather", lambda: self.comm.Iallgatherv(_buf(_unaliased(input, output)), receive))
+        offsets = block_offsets(sizes)
+        in_place = input.numel() and input.data_ptr() == output[offsets[self.rank]:].data_ptr()
+        send = self._MPI.IN_PLACE if in_place else _buf(_unaliased(input, output))
+        receive = [_buf(output), (list(sizes), offsets)]
+        self._run("all_gather", lambda: self.comm.Iallgatherv(send, receive))
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
         n = input.numel()
