@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveMismatchError, PeerRefusedError, where
+from .errors import PeerRefusedError, RecoverableMismatchError, where
 from .ops import LOW_PRECISION, RedOp, as_sum, dtype_name, dtype_of_code, moved_as_bytes, signature_code
 from .scratch import DEFAULT_MAX_BYTES, Scratch
 from .transports.base import Transport, overlap
@@ -25,6 +25,9 @@ _SIGNATURE_OPS = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4,
                   "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9, "all_to_all_v": 10,
                   "all_gather_v": 11}
 
+
+# said by mismatches every rank finds in one gathered table, before any data moves
+_STILL_USABLE = "Every rank raised this before any data moved; the group can still be used."
 
 # what an uneven all_to_all's ranks must agree on, said when they do not
 _SPLIT_RULE = ("Rank q's output_split_sizes[p] must equal rank p's input_split_sizes[q] (and list all_to_all's "
@@ -123,9 +126,10 @@ class Collectives:
         dtypes = lambda code: dtype_name(dtype_of_code(code)) if code else "-"  # noqa: E731
         seen = "; ".join(f"rank {r}: {names.get(s[0], s[0])}(numel={s[2]}, dtype={dtypes(s[1])}, arg={s[3]})"
                          for r, s in enumerate(everyone))
-        raise CollectiveMismatchError(
+        raise RecoverableMismatchError(
             f"{where(self.rank, self.world_size, op)} ranks called different collectives ({seen}). Every "
-            "rank must call the same collectives in the same order with tensors of the same size and dtype."
+            "rank must call the same collectives in the same order with tensors of the same size and dtype. "
+            f"{_STILL_USABLE}"
         )
 
     def _needs_float32(self, dtype: torch.dtype, op: RedOp | None) -> bool:
@@ -295,18 +299,18 @@ class Collectives:
         rows = table.view(w, 2 * w + 1).tolist()
         widths = [r[2 * w] for r in rows]
         if len(set(widths)) > 1:
-            raise CollectiveMismatchError(
+            raise RecoverableMismatchError(
                 f"{where(self.rank, w, self.transport.running or 'all_to_all')} ranks' rows differ in size "
                 f"({'; '.join(f'rank {p}: {e} elements' for p, e in enumerate(widths))}); every rank's tensors "
-                "must have the same size in every dimension but the first")
+                f"must have the same size in every dimension but the first. {_STILL_USABLE}")
         unit = "rows" if row > 1 else "elements"
         wrong = [(p, q, rows[p][q], rows[q][w + p]) for p in range(w) for q in range(w) if rows[p][q] != rows[q][w + p]]
         if wrong:
             said = "; ".join(f"rank {p} sends {sends} {unit} to rank {q}, which expects {expects}"
                              for p, q, sends, expects in wrong[:8])
-            raise CollectiveMismatchError(
+            raise RecoverableMismatchError(
                 f"{where(self.rank, w, self.transport.running or 'all_to_all')} ranks disagree on the block sizes ({said}"
-                f"{'; ...' if len(wrong) > 8 else ''}). {rule}"
+                f"{'; ...' if len(wrong) > 8 else ''}). {rule} {_STILL_USABLE}"
             )
         return [r[:w] for r in rows]
 

@@ -26,6 +26,12 @@ class CollectiveMismatchError(SMDDPError):
     """Ranks called different collectives, or the same one with different sizes or dtypes."""
 
 
+class RecoverableMismatchError(CollectiveMismatchError):
+    """A mismatch that every rank found in one table they all gathered (split sizes, or
+    ``SMDDP_CHECK_COLLECTIVES``' signatures) before any data moved: each rank raises it at the
+    same point of the same call, nothing is left posted, and the group stays usable."""
+
+
 class PeerFailureError(SMDDPError):
     """A peer died, aborted, or did not arrive within the process group's timeout."""
 

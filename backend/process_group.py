@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import ops
 from .algorithms import Collectives
-from .errors import SMDDPError, where
+from .errors import RecoverableMismatchError, SMDDPError, where
 from .p2p import PeerLinks
 from .transports import create_transport
 from .work import CommThread, SMDDPWork
@@ -173,6 +173,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 # and grad mode is per thread, on by default on the communication thread
                 with torch.no_grad():
                     body()
+            except RecoverableMismatchError:
+                raise  # every rank raised it at one point, before any data moved: the group goes on
             except dist.DistBackendError as exc:
                 self._failure = f"{where(self.rank(), self.size(), op)} an earlier collective failed: {exc}"
                 raise

@@ -20,7 +20,8 @@ def _error_of(fn) -> dict:
         fn()
     except Exception as exc:
         return {"type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start,
-                "backend_error": isinstance(exc, dist.DistBackendError)}
+                "backend_error": isinstance(exc, dist.DistBackendError),
+                "classes": [c.__name__ for c in type(exc).__mro__]}
     return {"type": None, "message": "", "seconds": time.monotonic() - start, "backend_error": False}
 
 
@@ -84,18 +85,40 @@ def mismatch(kind: str) -> dict:
             else [torch.empty(7, dtype=torch.int64), torch.empty(5, dtype=torch.int64)],
             torch.arange(5)),
     }
-    return _error_of(calls[kind])
+    report = _error_of(calls[kind])
+    report["usable_after"] = _usable_after_error()
+    return report
+
+
+def _usable_after_error() -> bool | str:
+    """Whether the group still works after the error just raised (an all_reduce gives the sum),
+    or the error that its next call raised."""
+    try:
+        return _still_works()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def uneven_splits_disagree() -> dict:
     """Rank 0 expects other block sizes than rank 1 sends it (an uneven all_to_all_single):
-    every rank must raise saying which, before any data moves, on every transport."""
+    every rank must raise saying which, before any data moves, on every transport. Every rank
+    found it in the same table, so the group must go on: an all_reduce, and then the uneven
+    all_to_all with sizes that agree, must give the right results."""
     smddp_lite.init(timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     output = torch.empty(4 if rank == 0 else 3)
-    return _error_of(lambda: dist.all_to_all_single(
+    report = _error_of(lambda: dist.all_to_all_single(
         output, torch.ones(3 + rank), output_split_sizes=[1, 3] if rank == 0 else [2, 1],
         input_split_sizes=[1, 2] if rank == 0 else [2, 2]))
+    report["usable_after"] = _usable_after_error()
+    # rank 0 sends [1, 2] (values 0, 1, 2), rank 1 sends [3, 1] (values 10..13)
+    sent = torch.arange(3.0) if rank == 0 else torch.arange(10.0, 14.0)
+    splits_in, splits_out = ([1, 2], [1, 3]) if rank == 0 else ([3, 1], [2, 1])
+    received = torch.empty(sum(splits_out))
+    dist.all_to_all_single(received, sent, output_split_sizes=splits_out, input_split_sizes=splits_in)
+    report["agreed_after"] = received.tolist()
+    dist.destroy_process_group()
+    return report
 
 
 def _reduce_scatter(dtype: torch.dtype = torch.float32) -> None:
