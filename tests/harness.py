@@ -114,6 +114,18 @@ def launch_mpi(target: str, world_size: int, *, env: dict[str, str] | None = Non
                prefix: list[str] | None = None, **kwargs: Any) -> list[RankResult]:
     """Run ``target`` under ``mpiexec -n world_size`` (no RANK/WORLD_SIZE: the MPI way).
     ``prefix``: a command that runs mpiexec (forbid_process_vm_readv.py, say)."""
+    mpich_segments = set(Path("/dev/shm").glob("mpich_shm_*"))
+    try:
+        return _run_mpi(target, world_size, env, timeout, prefix, kwargs)
+    finally:
+        # MPICH removes its shared-memory segment in MPI_Finalize; a job whose ranks died or were
+        # killed (the failure tests) leaves it behind, 2-3 MB each time
+        for left in set(Path("/dev/shm").glob("mpich_shm_*")) - mpich_segments:
+            left.unlink(missing_ok=True)
+
+
+def _run_mpi(target: str, world_size: int, env: dict[str, str] | None, timeout: float, prefix: list[str] | None,
+             kwargs: dict[str, Any]) -> list[RankResult]:
     with tempfile.TemporaryDirectory(prefix="smddp-mpi-") as tmp:
         proc = subprocess.Popen(
             [*(prefix or []), mpiexec(), "-n", str(world_size), sys.executable, str(WORKER), target,
