@@ -184,18 +184,26 @@ class Collectives:
             finish()
             unpack()
 
-    def _move(self, op: str, output: torch.Tensor, input: torch.Tensor) -> None:
-        """A collective that only moves bytes (no arithmetic): any dtype travels as it is."""
+    def _move(self, op: str, output: torch.Tensor, input: torch.Tensor, in_place_at: int | None = None) -> None:
+        """A collective that only moves bytes (no arithmetic): any dtype travels as it is. An
+        input that overlaps the output is sent from a copy, unless it starts at element
+        ``in_place_at`` of the output (the in-place form the transports take): otherwise blocks
+        written early would overwrite input not yet sent (an in-place all_to_all_single on gloo,
+        an all_gather whose input is another rank's block on shm)."""
         src, _ = _flat(input)
         dst, unpack = _flat(output)
         self._agree(op, src.dtype, src.numel())
+        if (src.numel() and dst.numel() and overlap(src, dst)
+                and (in_place_at is None or src.data_ptr() != dst[in_place_at:].data_ptr())):
+            src = src.clone()
         src, dst = self._as_bytes(src), self._as_bytes(dst)
         getattr(self.transport, op)(dst, src)
         unpack()
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """``output`` holds world_size blocks of ``input``'s numel, in rank order."""
-        self._move("all_gather", output, input)
+        """``output`` holds world_size blocks of ``input``'s numel, in rank order; ``input`` may
+        be this rank's own block of it."""
+        self._move("all_gather", output, input, in_place_at=self.rank * input.numel())
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         """``output`` gets the reduction of block ``rank`` of every rank's ``input``."""

@@ -233,6 +233,25 @@ def case_gather_input_in_output(rank, world):
     return _mismatch(out, torch.cat([seeded((17,), r, torch.float32) for r in range(world)]))
 
 
+def case_all_gather_input_in_another_block(rank, world, rows):
+    """all_gather_into_tensor whose input is the next rank's block of the output (not its own,
+    the in-place form): blocks written before this rank's own goes out must not overwrite it.
+    ``rows`` of 33 float32: 3000 span several shm steps."""
+    out = empty((world * rows, 33), torch.float32)
+    mine = out.chunk(world)[(rank + 1) % world]
+    mine.copy_(seeded((rows, 33), rank, torch.float32))
+    dist.all_gather_into_tensor(out, mine)
+    return _mismatch(out, torch.cat([seeded((rows, 33), r, torch.float32) for r in range(world)]))
+
+
+def case_all_to_all_in_place(rank, world, rows):
+    """all_to_all_single with equal blocks whose output is its input: block q leaves for rank q
+    while block q arrives from it, so received blocks must not overwrite blocks not yet sent."""
+    x = on_device(torch.cat([seeded((rows, 33), rank * world + q, torch.float32) for q in range(world)]))
+    dist.all_to_all_single(x, x)
+    return _mismatch(x, torch.cat([seeded((rows, 33), q * world + rank, torch.float32) for q in range(world)]))
+
+
 def case_scatter_output_in_input(rank, world):
     """Rank 0 scatters from a tensor whose block 1 is its own output: the other blocks must
     leave before that block is written."""
@@ -436,6 +455,10 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
     yield "gather", "input_in_another_block_of_the_output", case_gather_input_in_output, {}
     yield "scatter", "output_in_another_block_of_the_input", case_scatter_output_in_input, {}
     yield "all_to_all_uneven", "output_is_the_input", case_all_to_all_uneven_in_place, {}
+    for rows in (1, 3000):  # 3000 rows of 33 float32: several shm steps
+        yield "all_to_all", f"output_is_the_input-{rows}", case_all_to_all_in_place, dict(rows=rows)
+        yield "all_gather", f"input_in_another_block_of_the_output-{rows}", case_all_gather_input_in_another_block, \
+            dict(rows=rows)
     yield "all_to_all_uneven", "one_rank_balanced", case_all_to_all_one_rank_balanced, {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for op, group in (("all_reduce", "all_reduce"), ("reduce", "reduce"), ("reduce_scatter_list", "reduce_scatter"),

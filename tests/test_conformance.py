@@ -33,6 +33,9 @@ TRANSPORTS = [
                                                     "SMDDP_INTER_NODE_ACCUMULATE": "wire"}, "env"),
     ("local", (1,), "smddp", {}, "env"),
     ("shm", (2, 3), "smddp", {"SMDDP_TRANSPORT": "shm"}, "env"),
+    # the smallest chunk the configuration takes: every op in many steps, and small all_reduces
+    # (one barrier, up to 16 KiB by default) that no longer fit one slot
+    ("shm-4k-chunks", (2,), "smddp", {"SMDDP_TRANSPORT": "shm", "SMDDP_SHM_CHUNK_BYTES": "4096"}, "env"),
     ("gloo", (2, 3), "smddp", {"SMDDP_TRANSPORT": "gloo"}, "env"),
     ("mpi", (2, 3), "smddp", {"SMDDP_TRANSPORT": "mpi"}, "mpi"),
     ("torch-gloo-reference", (2, 3), "gloo", {}, "env"),

@@ -112,9 +112,10 @@ class ShmTransport(Transport):
     def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
         w, r = self.world_size, self.rank
         header = self._begin("all_reduce", tensor.dtype, tensor.numel(), int(op))
-        if tensor.numel() * tensor.element_size() <= ONE_SHOT_BYTES:
+        if tensor.numel() * tensor.element_size() <= min(ONE_SHOT_BYTES, self.seg.chunk_bytes):
             # small: every rank stages all of its tensor and reduces every slot itself. One
             # barrier instead of two; the redundant arithmetic is cheaper than the second barrier.
+            # (It must fit one slot: SMDDP_SHM_CHUNK_BYTES may be set below 16 KiB.)
             self.step += 1
             n = tensor.numel()
             self.seg.slot(self.step, r, tensor.dtype)[:n].copy_(tensor)
