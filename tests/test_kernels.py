@@ -61,6 +61,35 @@ def test_sgd_kernel_matches_reference(dtype, n, momentum, dampening, nesterov, s
     torch.testing.assert_close(buf, ref_buf, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("family", ["adamw", "sgd_momentum", "sgd"])
+def test_the_cpu_path_matches_the_reference(dtype, family):
+    """On the CPU the launchers hand updates to torch's fused kernels where those work: its
+    fused SGD left 16-bit parameters unchanged but for the last few elements (torch 2.13)."""
+    gen = torch.Generator().manual_seed(3)
+    p, g, m, v = (torch.randn(1823, generator=gen).to(dtype) for _ in range(4))
+    v = v.abs()  # exp_avg_sq is never negative
+    start = p.clone()
+    ref_p, ref_m, ref_v = p.clone(), m.clone(), v.clone()
+    # lr 0.1: steps large enough to move every bfloat16 parameter; torch's fused kernels write
+    # the unscaled gradient back, so each update gets its own
+    scalars = {k: t.cpu() for k, t in _scalars(3.0, lr=0.1).items()}
+    if family == "adamw":
+        hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, **scalars)
+        adam_step(p, g.clone(), m, v, **hyper)
+        adam_reference(ref_p, g.clone(), ref_m, ref_v, **hyper)
+    else:
+        hyper = dict(momentum=0.9 if family == "sgd_momentum" else 0.0, dampening=0.0, weight_decay=0.01,
+                     nesterov=False, **scalars)
+        sgd_step(p, g.clone(), m, **hyper)
+        sgd_reference(ref_p, g.clone(), ref_m, **hyper)
+    assert (p != start).float().mean() > 0.9, "the update left most parameters unchanged"
+    # float32: torch's kernel orders its operations its own way, a few ulps of a 0.1-sized step
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype is torch.float32 else TOL[dtype]
+    torch.testing.assert_close(p, ref_p, **tol)
+    torch.testing.assert_close(m, ref_m, **tol)
+
+
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "reference"])
 def test_found_inf_leaves_everything_untouched(use_kernel):
     p, g, m, v = _streams(257, torch.float32, 4, seed=3)

@@ -14,14 +14,21 @@ def use_triton(device: torch.device, force: bool | None) -> bool:
     return device.type == "cuda"
 
 
-def torch_fused_cpu(device: torch.device, op: str) -> bool:
-    """Whether torch's own fused CPU kernel ``op`` (torch._fused_adamw_ ...) serves this update.
+# torch's fused CPU SGD leaves 16-bit parameters unchanged but for the last few elements
+# (torch 2.13: every vectorised chunk is skipped, with or without momentum); its fused Adam and
+# AdamW update them. Such updates take the reference instead.
+_BROKEN_FUSED_CPU = {"_fused_sgd_": (torch.bfloat16, torch.float16)}
+
+
+def torch_fused_cpu(device: torch.device, op: str, dtype: torch.dtype) -> bool:
+    """Whether torch's own fused CPU kernel ``op`` (torch._fused_adamw_ ...) serves this update
+    of ``dtype`` parameters.
 
     It does the same arithmetic in one pass over memory, where the pure-torch reference makes
     one pass per operation: on a 2-core CPU the reference ran at 0.17-0.28x of torch's fused
     AdamW (benchmarks/optimizer_step.py), so the reference stays the oracle and the fallback.
     """
-    return device.type == "cpu" and hasattr(torch, op)
+    return device.type == "cpu" and hasattr(torch, op) and dtype not in _BROKEN_FUSED_CPU.get(op, ())
 
 
 def check_buffers(name: str, flat: dict[str, torch.Tensor], scalars: dict[str, torch.Tensor]) -> int:

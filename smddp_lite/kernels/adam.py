@@ -75,7 +75,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
                       dict(lr=lr, step=step, scale=scale, found_inf=found_inf))
     if not use_triton(param.device, force_triton):
         fused = "_fused_adamw_" if decoupled else "_fused_adam_"
-        if force_triton is None and torch_fused_cpu(param.device, fused):
+        if force_triton is None and torch_fused_cpu(param.device, fused, param.dtype):
             # torch's kernel divides by grad_scale (and writes the unscaled gradient back)
             getattr(torch, fused)([param], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=float(lr),
                                   beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,

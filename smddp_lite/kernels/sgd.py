@@ -60,7 +60,7 @@ def sgd_step(param, grad, momentum_buffer, *, lr, step, scale, found_inf, moment
         streams["momentum_buffer"] = momentum_buffer
     n = check_buffers("sgd_step", streams, dict(lr=lr, step=step, scale=scale, found_inf=found_inf))
     if not use_triton(param.device, force_triton):
-        if force_triton is None and torch_fused_cpu(param.device, "_fused_sgd_"):
+        if force_triton is None and torch_fused_cpu(param.device, "_fused_sgd_", param.dtype):
             # on the CPU reading ``step`` is free; torch's kernel divides by grad_scale
             torch._fused_sgd_([param], [grad], [momentum_buffer] if momentum != 0 else [],
                               weight_decay=weight_decay, momentum=momentum, lr=float(lr), dampening=dampening,
