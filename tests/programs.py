@@ -479,6 +479,20 @@ def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float 
     return {"max_diff": diff, "max_abs": scale, "losses": losses, "buckets": len(opt_c.buckets)}
 
 
+def compiled_frozen_start() -> dict:
+    """Each rank builds its model from its own seed, the first layer frozen: compile must start
+    every rank from rank 0's weights, frozen ones included, as DDP does."""
+    smddp_lite.init()
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
+    model[0].requires_grad_(False)
+    smddp_lite.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    weights = {name: p.detach().flatten().tolist() for name, p in model.named_parameters()}
+    dist.destroy_process_group()
+    return weights
+
+
 def large_all_reduce(numel: int) -> dict:
     """A float32 all_reduce of ``numel`` elements, checked element by element against the exact
     sum (small integers: every partial sum is exact): the count of wrong elements."""

@@ -268,3 +268,103 @@ def test_buckets_close_once_they_reach_their_cap_as_in_ddp():
     assert [b.offsets for b in buckets] == [[0, 64], [0, 256], [0]]
     half = [torch.nn.Parameter(torch.zeros(8, dtype=torch.float16)), torch.nn.Parameter(torch.zeros(8))]
     assert len(plan_buckets([(0, p) for p in half], 1 << 20, 1 << 20)) == 2  # one dtype per bucket
+
+
+def test_frozen_parameters_may_be_in_the_optimizer_and_unfreezing_them_is_refused():
+    """AdamW(model.parameters()) on a partly frozen model: accepted (torch.optim skips them), the
+    frozen layer stays as it is, and one unfrozen afterwards is refused at step() rather than
+    silently left out of the buckets."""
+    model = _model()
+    model[0].requires_grad_(False)
+    eager = copy.deepcopy(model)
+    compiled, opt = smddp_lite.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for x, y in _batches(3):
+        for net, o in ((compiled, opt), (eager, opt_e)):
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(compiled.module.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)
+    model[0].requires_grad_(True)
+    x, y = _batches(1)[0]
+    torch.nn.functional.cross_entropy(compiled(x), y).backward()
+    with pytest.raises(ValueError, match=r"requires_grad=False when the model was compiled.*compile again"):
+        opt.step()
+
+
+def test_add_param_group_and_mixed_decoupled_adam_groups_are_refused():
+    model = _model()
+    _, opt = smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="add_param_group after compile is not supported"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+    model = _model()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    adam = torch.optim.Adam([{"params": weights, "decoupled_weight_decay": True}, {"params": biases}], lr=1e-3)
+    with pytest.raises(ValueError, match="decoupled_weight_decay=True on some param groups"):
+        smddp_lite.compile(model, adam)
+
+
+def test_model_zero_grad_then_an_unused_parameter_is_not_updated_with_its_old_gradient():
+    """model.zero_grad() sets .grad to None; a parameter that then gets no gradient must be
+    updated as if it were zero (the warning says so), not with the gradient of the step before."""
+    model = _model()
+    model.add_module("head", torch.nn.Linear(5, 5))
+    compiled, opt = smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    (x1, y1), (x2, y2) = _batches(2)
+    torch.nn.functional.cross_entropy(model.head(compiled(x1)), y1).backward()
+    opt.step()
+    compiled.zero_grad()  # set_to_none=True
+    before = model.head.weight.detach().clone()
+    torch.nn.functional.cross_entropy(compiled.module[:5](x2), y2).backward()
+    opt.step()
+    assert torch.equal(model.head.weight, before)
+
+
+def test_a_backward_that_raised_part_way_does_not_break_later_steps():
+    """An error in backward after some gradient hooks ran (an out-of-memory error caught and the
+    batch retried) left the reducer counting that backward: later backwards never took their
+    gradient norms, and clipping used a stale one."""
+    class FailsOnce(torch.autograd.Function):
+        armed = True
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            if FailsOnce.armed:
+                FailsOnce.armed = False
+                raise RuntimeError("simulated out of memory")
+            return g
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = torch.nn.Linear(13, 31), torch.nn.Linear(31, 5)
+
+        def forward(self, x):
+            return self.b(FailsOnce.apply(torch.tanh(self.a(x))))
+
+    eager = Net()
+    model = copy.deepcopy(eager)
+    compiled, opt = smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=0.1)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    (x0, y0), *rest = _batches(4)
+    with pytest.raises(RuntimeError, match="simulated out of memory"):
+        torch.nn.functional.cross_entropy(compiled(x0), y0).backward()
+    opt.zero_grad()
+    for x, y in rest:
+        torch.nn.functional.cross_entropy(eager(x), y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.1)
+        opt_e.step()
+        opt_e.zero_grad()
+        torch.nn.functional.cross_entropy(compiled(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(opt.last_grad_norm.reshape(()), norm, rtol=1e-5, atol=1e-7)
+    for a, b in zip(compiled.module.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)

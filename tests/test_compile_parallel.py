@@ -24,3 +24,8 @@ def test_compiled_matches_ddp(world, wire, clip):
             # relative; AdamW's step size bounds the resulting parameter drift to ~lr per step
             assert r["max_diff"] < 10 * 3e-3, (rank, r)
     assert results[0]["losses"]["compiled"][-1] < results[0]["losses"]["compiled"][0]
+
+
+def test_compile_starts_every_rank_from_rank_0s_weights_frozen_ones_included():
+    results = harness.values(harness.launch("tests.programs:compiled_frozen_start", 2))
+    assert results[1] == results[0]

@@ -60,9 +60,13 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
     mib = 2**20
     buckets = plan_buckets(ordered, int(config.bucket_cap_mb * mib), int(config.first_bucket_mb * mib))
     materialize(buckets)
-    if world > 1:  # start every rank from rank 0's weights, as DDP does
+    if world > 1:  # start every rank from rank 0's weights, as DDP does, frozen ones included
         for b in buckets:
             dist.broadcast(b.param_flat, src=0)
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.requires_grad:
+                    dist.broadcast(p.data, src=0)
         for buf in model.buffers():
             dist.broadcast(buf, src=0)
     wire = getattr(torch, config.wire_dtype) if config.wire_dtype else None
@@ -89,9 +93,13 @@ def _ordered_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
             f"smddp_lite.compile: trainable parameter(s) {missing[:5]} are not in the optimizer; add them "
             "or set requires_grad=False"
         )
-    if len(group_of) != len(trainable):
+    # frozen parameters may be in the optimizer (AdamW(model.parameters()) on a partly frozen
+    # model): torch.optim skips them while they get no gradient, and so does the compiled step
+    own = {id(p) for p in model.parameters()}
+    strangers = sum(1 for key in group_of if key not in own)
+    if strangers:
         raise ValueError(
-            f"smddp_lite.compile: the optimizer holds {len(group_of)} parameters, the model {len(trainable)} "
-            "trainable ones; build the optimizer from this model's parameters"
+            f"smddp_lite.compile: the optimizer holds {strangers} parameter(s) that are not this model's; "
+            "build the optimizer from this model's parameters"
         )
     return [(group_of[id(p)], p) for p in reversed(trainable)]

@@ -19,6 +19,7 @@ class CompiledModel(torch.nn.Module):
         self.reducer = reducer
 
     def forward(self, *args, **kwargs):
+        self.reducer.forget_unfinished_backward()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

@@ -26,8 +26,12 @@ def optimizer_family(optimizer: torch.optim.Optimizer) -> str:
         for flag in ("amsgrad", "maximize", "differentiable"):
             if group.get(flag):
                 raise ValueError(f"smddp_lite.compile: {kind.__name__}({flag}=True) is not supported; pass {flag}=False")
-        if family == "adam" and group.get("decoupled_weight_decay"):
-            family = "adamw"
+    if family == "adam":  # torch 2.x's Adam(decoupled_weight_decay=True) is AdamW; one kernel per optimizer
+        decoupled = {bool(g.get("decoupled_weight_decay")) for g in optimizer.param_groups}
+        if len(decoupled) > 1:
+            raise ValueError("smddp_lite.compile: Adam with decoupled_weight_decay=True on some param groups "
+                             "and False on others is not supported; set one value for every group")
+        family = "adamw" if decoupled == {True} else "adam"
     return family
 
 
@@ -50,6 +54,18 @@ class CompiledOptimizer(torch.optim.Optimizer):
         self._lr = {b.device: [torch.zeros(1, dtype=torch.float32, device=b.device) for _ in self.param_groups]
                     for b in buckets}
         self._import(inner.state)
+        # parameters the optimizer holds that were frozen at compile time: no bucket holds them
+        bucketed = {id(p) for b in buckets for p in b.params}
+        self._frozen = [p for g in self.param_groups for p in g["params"] if id(p) not in bucketed]
+        self._compiled = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_compiled", False):
+            raise ValueError(
+                "smddp_lite.compile: add_param_group after compile is not supported: compile plans every "
+                "parameter into communication buckets once. Add the group to the optimizer before calling "
+                "smddp_lite.compile (or compile again with the new optimizer)")
+        super().add_param_group(param_group)
 
     def _state_keys(self) -> tuple[str, ...]:
         # SGD gets a momentum buffer even with momentum 0: a scheduler (OneCycleLR) may turn it on
@@ -62,6 +78,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_still_frozen()
         scale, found_inf = self._grad_multiplier()
         for b, state, step in zip(self.buckets, self.flat_state, self.steps):
             group = self.param_groups[b.group]
@@ -79,6 +96,16 @@ class CompiledOptimizer(torch.optim.Optimizer):
                           beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                           decoupled=self.family == "adamw", **common)
         return loss
+
+    def _check_still_frozen(self) -> None:
+        """A parameter frozen at compile time that now has a gradient was unfrozen: torch.optim
+        would update it, but no bucket reduces or updates it. Say so instead of skipping it."""
+        for p in self._frozen:
+            if p.grad is not None:
+                raise ValueError(
+                    f"smddp_lite.compile: a parameter of shape {tuple(p.shape)} had requires_grad=False when the "
+                    "model was compiled and now has a gradient; its gradient is not all-reduced and the compiled "
+                    "step does not update it. Call smddp_lite.compile again after changing requires_grad")
 
     def _grad_multiplier(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(1 / loss scale x clipping coefficient, found_inf) as float32 device tensors."""

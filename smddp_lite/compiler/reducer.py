@@ -79,6 +79,7 @@ class GradReducer:
         if self._next < len(self.buckets):
             self._warn_unused()
             for i in range(self._next, len(self.buckets)):
+                self._zero_missing(self.buckets[i])
                 self._pending[i] = 0
             self._launch_ready()
         for b in self.buckets:
@@ -93,14 +94,40 @@ class GradReducer:
         self._pending = [len(b.params) for b in self.buckets]
         self._next = 0
 
+    def _zero_missing(self, b: Bucket) -> None:
+        """Parameters of ``b`` whose ``.grad`` is None got no gradient since the user set it to
+        None (``model.zero_grad()``): their bucket slices still hold an older gradient. Zero them
+        and give them back their views, so the warning's "taken as zero" holds."""
+        for i, p in enumerate(b.params):
+            if p.grad is None:
+                view = b.view(b.grad_flat, i)
+                view.zero_()
+                p.grad = view
+
+    def forget_unfinished_backward(self) -> None:
+        """Called at each forward: a backward that raised part-way (an out-of-memory error caught
+        and retried) never reached ``_finish_backward``, and left buckets counted down and
+        collectives in flight. Wait for those and start counting afresh, or every later backward
+        would launch buckets early and never take norms."""
+        if not self._in_backward:
+            return
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        self._works = [None] * len(self.buckets)
+        self._pending = [len(b.params) for b in self.buckets]
+        self._next = 0
+        self._in_backward = False
+
     def _warn_unused(self) -> None:
         if self._warned_unused:
             return
         self._warned_unused = True
         missing = sum(self._pending[self._next:])
         log.warning("smddp_lite.compile: %d parameter(s) got no gradient in this backward; their gradient "
-                    "is taken as what their bucket holds (zero after zero_grad) and they are updated like "
-                    "the others. Every rank must leave out the same parameters.", missing)
+                    "is taken as what their bucket holds (zero after zero_grad, or after model.zero_grad() "
+                    "set it to None) and they are updated like the others. Every rank must leave out the "
+                    "same parameters.", missing)
 
     def bucket_norm(self, b: Bucket) -> None:
         """Record the bucket's squared 2-norm (one read of its reduced gradients)."""
