@@ -368,3 +368,28 @@ def test_a_backward_that_raised_part_way_does_not_break_later_steps():
         torch.testing.assert_close(opt.last_grad_norm.reshape(()), norm, rtol=1e-5, atol=1e-7)
     for a, b in zip(compiled.module.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b)
+
+
+def test_sgd_momentum_turned_on_mid_run_starts_its_buffer_at_the_gradient():
+    """A schedule that turns momentum on after two steps (dampening 0.5): torch starts the
+    buffer at the gradient on the first step with momentum, not at (1 - dampening) x gradient."""
+    model = _model()
+    eager = copy.deepcopy(model)
+    compiled, opt = smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.05, dampening=0.5))
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05, dampening=0.5)
+    assert opt.state_dict()["state"] == {}
+    for i, (x, y) in enumerate(_batches(5)):
+        for o in (opt, opt_e):
+            o.param_groups[0]["momentum"] = 0.9 if i >= 2 else 0.0
+        for net, o in ((compiled, opt), (eager, opt_e)):
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            o.step()
+            o.zero_grad()
+        if i == 1:  # no step with momentum yet: no state, as torch keeps none
+            assert opt.state_dict()["state"] == {} == opt_e.state_dict()["state"]
+    for a, b in zip(compiled.module.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)
+    ours, torchs = opt.state_dict()["state"], opt_e.state_dict()["state"]
+    assert sorted(ours) == sorted(torchs)
+    for key in torchs:
+        torch.testing.assert_close(ours[key]["momentum_buffer"], torchs[key]["momentum_buffer"])

@@ -84,7 +84,11 @@ class CompiledOptimizer(torch.optim.Optimizer):
             group = self.param_groups[b.group]
             lr = self._lr[b.device][b.group]
             lr.copy_(group["lr"]) if torch.is_tensor(group["lr"]) else lr.fill_(group["lr"])
-            step.add_(1.0 - found_inf.to(step.device))  # a skipped step does not count
+            # a skipped step does not count. SGD counts only steps with momentum: its first such
+            # step starts the buffer at the gradient (torch's rule), also when a scheduler turns
+            # momentum on mid-run
+            if self.family != "sgd" or group["momentum"] != 0:
+                step.add_(1.0 - found_inf.to(step.device))
             common = dict(lr=lr, step=step, scale=scale.to(b.device), found_inf=found_inf.to(b.device))
             if self.family == "sgd":
                 sgd_step(b.param_flat, b.grad_flat, state.get("momentum_buffer"), momentum=group["momentum"],
@@ -154,9 +158,10 @@ class CompiledOptimizer(torch.optim.Optimizer):
             taken = float(step.item())
             for i, p in enumerate(b.params):
                 if self.family == "sgd":
-                    active = taken > 0 and self.param_groups[b.group]["momentum"] != 0
-                    buf = b.view(flat["momentum_buffer"], i) if active else None
-                    self.state[p] = {"momentum_buffer": buf}
+                    if taken > 0:  # a step with momentum was taken: the buffer exists, as in torch
+                        self.state[p] = {"momentum_buffer": b.view(flat["momentum_buffer"], i)}
+                    else:  # torch keeps no state for SGD parameters before that
+                        self.state.pop(p, None)
                 elif taken > 0:
                     self.state[p] = {"step": step.reshape(()), **{k: b.view(v, i) for k, v in flat.items()}}
                 else:
