@@ -74,6 +74,17 @@ def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), first.storage_offset(), (total,))
 
 
+def _unaliased(src: torch.Tensor, dst: torch.Tensor, in_place_at: int | None = None) -> torch.Tensor:
+    """``src`` (flat), or a copy of it where it overlaps ``dst`` other than as the in-place form
+    (starting at element ``in_place_at`` of ``dst``, which the transports take as it is): a
+    transport writing ``dst`` in its own order would otherwise overwrite input not yet sent."""
+    if not (src.numel() and dst.numel() and overlap(src, dst)):
+        return src
+    if in_place_at is not None and src.data_ptr() == dst[in_place_at:].data_ptr():
+        return src
+    return src.clone()
+
+
 def _moved_per_element(dtype: torch.dtype) -> int:
     """How many of what the transport moves make one element of ``dtype``: its bytes where
     ``moved_as_bytes`` says so (sizes of such ops are then counted in bytes), else 1."""
@@ -186,17 +197,12 @@ class Collectives:
 
     def _move(self, op: str, output: torch.Tensor, input: torch.Tensor, in_place_at: int | None = None) -> None:
         """A collective that only moves bytes (no arithmetic): any dtype travels as it is. An
-        input that overlaps the output is sent from a copy, unless it starts at element
-        ``in_place_at`` of the output (the in-place form the transports take): otherwise blocks
-        written early would overwrite input not yet sent (an in-place all_to_all_single on gloo,
-        an all_gather whose input is another rank's block on shm)."""
+        input that overlaps the output other than at ``in_place_at`` goes from a copy (an in-place
+        all_to_all_single on gloo, an all_gather whose input is another rank's block on shm)."""
         src, _ = _flat(input)
         dst, unpack = _flat(output)
         self._agree(op, src.dtype, src.numel())
-        if (src.numel() and dst.numel() and overlap(src, dst)
-                and (in_place_at is None or src.data_ptr() != dst[in_place_at:].data_ptr())):
-            src = src.clone()
-        src, dst = self._as_bytes(src), self._as_bytes(dst)
+        src, dst = self._as_bytes(_unaliased(src, dst, in_place_at)), self._as_bytes(dst)
         getattr(self.transport, op)(dst, src)
         unpack()
 
@@ -234,8 +240,8 @@ class Collectives:
         everyone = adjacent = _adjacent(outputs) if self.rank == root else None
         if self.rank == root and everyone is None:
             everyone = torch.empty(self.world_size * n, dtype=src.dtype)
-        elif adjacent is not None and n and overlap(src, adjacent) and src.data_ptr() != adjacent[root * n :].data_ptr():
-            src = src.clone()  # the input lies in another rank's block, which the gather overwrites first
+        elif adjacent is not None:
+            src = _unaliased(src, adjacent, root * n)  # the input may lie in another rank's block
         self.transport.gather(self._as_bytes(everyone), self._as_bytes(src), root)
         if everyone is not None and adjacent is None:
             for out, block in zip(outputs, everyone.view(self.world_size, n)):
@@ -267,9 +273,7 @@ class Collectives:
         self._agree("all_to_all_v", src.dtype, 0)
         rows = self._agreed_splits(input_splits, output_splits, row, rule)
         unit = row * _moved_per_element(src.dtype)  # a row, in what the transport moves
-        src, dst = self._as_bytes(src), self._as_bytes(dst)
-        if src.numel() and dst.numel() and overlap(src, dst):
-            src = src.clone()  # blocks move to other offsets: writing the output would overwrite input not yet sent
+        src, dst = self._as_bytes(_unaliased(src, dst)), self._as_bytes(dst)  # blocks move to other offsets
         self.transport.all_to_all_v(dst, src, [[c * unit for c in r] for r in rows])
         unpack()
 
@@ -286,8 +290,7 @@ class Collectives:
         adjacent = _adjacent(outputs)
         received = adjacent if adjacent is not None else torch.empty(sum(sizes), dtype=src.dtype)
         mine = sum(sizes[: self.rank])
-        if src.numel() and overlap(src, received) and src.data_ptr() != received[mine:].data_ptr():
-            src = src.clone()  # the input lies in another rank's output, which may be written first
+        src = _unaliased(src, received, mine)  # the input may lie in another rank's output
         unit = _moved_per_element(src.dtype)
         self.transport.all_gather_v(self._as_bytes(received), self._as_bytes(src), [n * unit for n in sizes])
         if adjacent is None:

@@ -228,27 +228,16 @@ class NcclPath:
         return self._launch("reduce_scatter", output.device, _touched(dst) + inputs, [output], enqueue)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> CudaWork:
-        """Block ``q`` of ``input`` (equal blocks) goes to rank ``q``'s block ``rank``."""
-        dt, per = self._moved("all_to_all", input.dtype)
-        src, dst = _Flat(input), _Flat(output)
-        n = src.numel // self.world_size
-        size = input.element_size()
-
-        def enqueue(comm, stream: int) -> None:
-            with _group(self.nccl, True):  # sends and receives of one step must be one group
-                for q in range(self.world_size):
-                    comm.send(src.ptr + q * n * size, n * per, dt, q, stream)
-                    comm.recv(dst.ptr + q * n * size, n * per, dt, q, stream)
-            dst.write_back()
-
-        return self._launch("all_to_all", input.device, _touched(src, dst), [output], enqueue)
+        """Block ``q`` of ``input`` (equal blocks) goes to rank ``q``'s block ``rank``: the uneven
+        form's sends and receives, so an in-place call goes from a copy as that one does."""
+        n = input.numel() // self.world_size
+        return self.all_to_all_v(output, [n] * self.world_size, input, [n] * self.world_size)
 
     def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
                      input_splits: list[int]) -> CudaWork:
         """Blocks of any size: block ``q`` of ``input`` (``input_splits[q]`` elements) goes to
-        rank ``q``; block ``q`` of ``output`` (``output_splits[q]``) comes from it. The same
-        grouped sends and receives as all_to_all's, so a rank whose blocks are equal pairs with
-        one whose blocks are not. Split sizes are not compared across ranks (torch's nccl does
+        rank ``q``; block ``q`` of ``output`` (``output_splits[q]``) comes from it. all_to_all
+        runs here too, so a rank whose blocks are equal pairs with one whose blocks are not. Split sizes are not compared across ranks (torch's nccl does
         not either): ranks that disagree wait for the watchdog's timeout."""
         dt, per = self._moved("all_to_all", input.dtype)
         if input.numel() and output.numel() and overlap(input.reshape(-1), output.reshape(-1)):

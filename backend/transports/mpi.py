@@ -49,6 +49,11 @@ def _buf(t: torch.Tensor):
     return (t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()
 
 
+def _in_place(input: torch.Tensor, output: torch.Tensor, at: int) -> bool:
+    """Whether ``input`` is the block of ``output`` that starts at element ``at`` (MPI_IN_PLACE)."""
+    return bool(input.numel()) and input.data_ptr() == output[at:].data_ptr()
+
+
 def _unaliased(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """``src``, or a copy of it when its memory overlaps ``dst``'s."""
     return src.clone() if overlap(src, dst) else src
@@ -144,8 +149,7 @@ class MPITransport(Transport):
     # MPI refuses aliased send and receive buffers ("Buffers must not be aliased"), which torch's
     # in-place forms produce: all_gather passes MPI_IN_PLACE, the others send from a copy.
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        n = input.numel()
-        in_place = n and input.data_ptr() == output[self.rank * n :].data_ptr()
+        in_place = _in_place(input, output, self.rank * input.numel())
         send = self._MPI.IN_PLACE if in_place else _buf(_unaliased(input, output))
         self._run("all_gather", lambda: self.comm.Iallgather(send, _buf(output)))
 
@@ -164,14 +168,12 @@ class MPITransport(Transport):
 
     def all_gather_v(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int]) -> None:
         offsets = block_offsets(sizes)
-        in_place = input.numel() and input.data_ptr() == output[offsets[self.rank]:].data_ptr()
-        send = self._MPI.IN_PLACE if in_place else _buf(_unaliased(input, output))
+        send = self._MPI.IN_PLACE if _in_place(input, output, offsets[self.rank]) else _buf(_unaliased(input, output))
         receive = [_buf(output), (list(sizes), offsets)]
         self._run("all_gather", lambda: self.comm.Iallgatherv(send, receive))
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
-        n = input.numel()
-        in_place = self.rank == root and n and input.data_ptr() == output[root * n :].data_ptr()
+        in_place = self.rank == root and _in_place(input, output, root * input.numel())
         send = self._MPI.IN_PLACE if in_place else _buf(input if output is None else _unaliased(input, output))
         self._run("gather", lambda: self.comm.Igather(send, None if output is None else _buf(output), root=root))
 

@@ -30,9 +30,7 @@ class GradReducer:
                      if wire_dtype is not None and wire_dtype != b.dtype and world_size > 1 else None
                      for b in buckets]
         self.sumsq = [torch.zeros((), dtype=torch.float32, device=b.device) for b in buckets]
-        self._pending = [len(b.params) for b in buckets]
-        self._works: list = [None] * len(buckets)
-        self._next = 0  # first bucket not launched yet
+        self._count_afresh()
         self._in_backward = False
         self._warned_unused = False
         for b in buckets:
@@ -90,9 +88,13 @@ class GradReducer:
                     b.grad_flat.copy_(self.wire[b.index])
             if self.want_norm:
                 self.bucket_norm(b)
-        self._works = [None] * len(self.buckets)
-        self._pending = [len(b.params) for b in self.buckets]
-        self._next = 0
+        self._count_afresh()
+
+    def _count_afresh(self) -> None:
+        """No bucket counted down, launched or in flight: the state before a backward."""
+        self._pending = [len(b.params) for b in self.buckets]  # gradients each bucket still waits for
+        self._works: list = [None] * len(self.buckets)
+        self._next = 0  # first bucket not launched yet
 
     def _zero_missing(self, b: Bucket) -> None:
         """Parameters of ``b`` whose ``.grad`` is None got no gradient since the user set it to
@@ -114,9 +116,7 @@ class GradReducer:
         for work in self._works:
             if work is not None:
                 work.wait()
-        self._works = [None] * len(self.buckets)
-        self._pending = [len(b.params) for b in self.buckets]
-        self._next = 0
+        self._count_afresh()
         self._in_backward = False
 
     def _warn_unused(self) -> None:
