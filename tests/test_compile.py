@@ -136,6 +136,40 @@ def test_user_unscale_before_step_with_max_grad_norm_clips_the_unscaled_norm():
     _compare(compiled, eager, losses_c, losses_e)
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum", "sgd_plain"])
+def test_optimizer_state_holds_torchs_entries_after_each_step(name):
+    """Scripts read optimizer.state[p] directly (to log second moments, or to move state after a
+    checkpoint loads): it holds what torch's would, follows each step without a state_dict()
+    call, and writes into it reach the update."""
+    eager = _model()
+    model = copy.deepcopy(eager)
+    make = OPTIMIZERS[name]
+    opt_e = make(eager.parameters())
+    compiled, opt_c = smddp_lite.compile(model, make(model.parameters()))
+    assert len(opt_c.state) == 0 == len(opt_e.state)
+    for i, batch in enumerate(_batches(4)):
+        _train(compiled, opt_c, [batch])
+        _train(eager, opt_e, [batch])
+        ours = {n: opt_c.state[p] for n, p in compiled.module.named_parameters() if p in opt_c.state}
+        torchs = {n: opt_e.state[p] for n, p in eager.named_parameters() if p in opt_e.state}
+        assert sorted(ours) == sorted(torchs)
+        for n in torchs:
+            assert sorted(ours[n]) == sorted(torchs[n]), n
+            for key, value in torchs[n].items():
+                torch.testing.assert_close(ours[n][key].float(), value.float(), rtol=2e-5, atol=2e-6)
+        if i == 1 and torchs:  # an in-place write (a user resetting the moments) reaches the next step
+            for state in (opt_c.state, opt_e.state):
+                for entry in state.values():
+                    next(v for k, v in entry.items() if k != "step").mul_(0.5)
+    for a, b in zip(compiled.module.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+    # a checkpoint's step is its own CPU copy: it does not replace the live state
+    opt_c.state_dict()
+    if "adam" in name:
+        _train(compiled, opt_c, _batches(1))
+        assert next(iter(opt_c.state.values()))["step"].item() == 5
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
 def test_checkpoints_move_both_ways_between_compiled_and_torch(name):
     make = OPTIMIZERS[name]

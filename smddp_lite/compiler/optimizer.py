@@ -2,7 +2,8 @@
 
 Its param_groups are torch's (LR schedulers work unchanged), and ``state_dict()`` /
 ``load_state_dict()`` speak torch.optim's format, so a checkpoint loads into plain AdamW/SGD and
-back. Internally each state tensor is a view into a flat per-bucket buffer the kernel updates.
+back. Internally each state tensor is a view into a flat per-bucket buffer the kernel updates;
+``optimizer.state[p]`` holds those views from the step that creates them, as torch's would.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class CompiledOptimizer(torch.optim.Optimizer):
         # (numel,) flat state per bucket and key, and a step counter per bucket (device tensors)
         self.flat_state = [{k: torch.zeros_like(b.param_flat) for k in keys} for b in buckets]
         self.steps = [torch.zeros(1, dtype=torch.float32, device=b.device) for b in buckets]
+        # whether torch would keep state for a bucket's parameters yet, known on the host so that
+        # publishing the state never waits on the device: after any Adam step (a skipped one
+        # too), after SGD's first step with momentum
+        self._has_state = [False] * len(buckets)
         self._lr = {b.device: [torch.zeros(1, dtype=torch.float32, device=b.device) for _ in self.param_groups]
                     for b in buckets}
         self._import(inner.state)
@@ -89,6 +94,9 @@ class CompiledOptimizer(torch.optim.Optimizer):
             # momentum on mid-run
             if self.family != "sgd" or group["momentum"] != 0:
                 step.add_(1.0 - found_inf.to(step.device))
+                if not self._has_state[b.index]:
+                    self._has_state[b.index] = True
+                    self._publish_state(b)
             common = dict(lr=lr, step=step, scale=scale.to(b.device), found_inf=found_inf.to(b.device))
             if self.family == "sgd":
                 sgd_step(b.param_flat, b.grad_flat, state.get("momentum_buffer"), momentum=group["momentum"],
@@ -141,9 +149,11 @@ class CompiledOptimizer(torch.optim.Optimizer):
 
     # checkpoints in torch.optim's format --------------------------------------------------------
     def state_dict(self):
-        self._publish_state()
         sd = super().state_dict()
-        for entry in sd["state"].values():  # one step tensor per parameter, as torch keeps them
+        # entries are copied so the checkpoint's CPU step does not replace the live view in
+        # self.state; one step tensor per parameter, as torch keeps them
+        sd["state"] = {key: dict(entry) for key, entry in sd["state"].items()}
+        for entry in sd["state"].values():
             if "step" in entry:
                 entry["step"] = entry["step"].detach().to("cpu", torch.float32).clone()
         return sd
@@ -152,27 +162,23 @@ class CompiledOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._import(self.state)
 
-    def _publish_state(self) -> None:
-        """Make ``self.state[p]`` torch's entries: views into the flat buffers."""
-        for b, flat, step in zip(self.buckets, self.flat_state, self.steps):
-            taken = float(step.item())
-            for i, p in enumerate(b.params):
-                if self.family == "sgd":
-                    if taken > 0:  # a step with momentum was taken: the buffer exists, as in torch
-                        self.state[p] = {"momentum_buffer": b.view(flat["momentum_buffer"], i)}
-                    else:  # torch keeps no state for SGD parameters before that
-                        self.state.pop(p, None)
-                elif taken > 0:
-                    self.state[p] = {"step": step.reshape(()), **{k: b.view(v, i) for k, v in flat.items()}}
-                else:
-                    self.state.pop(p, None)
+    def _publish_state(self, bucket: Bucket) -> None:
+        """Make ``self.state[p]`` torch's entries for the bucket's parameters: views into the flat
+        buffers, so they follow every later step without being published again."""
+        flat, step = self.flat_state[bucket.index], self.steps[bucket.index]
+        for i, p in enumerate(bucket.params):
+            views = {k: bucket.view(v, i) for k, v in flat.items()}
+            self.state[p] = views if self.family == "sgd" else {"step": step.reshape(()), **views}
 
     def _import(self, state) -> None:
         """Copy torch-format state (from the wrapped optimizer or a checkpoint) into the flats."""
+        state = dict(state)
+        self.state.clear()
         for b, flat, step in zip(self.buckets, self.flat_state, self.steps):
-            steps = set()
+            steps, present = set(), False
             for i, p in enumerate(b.params):
                 entry = state.get(p, {})
+                present = present or bool(entry)
                 for key, buf in flat.items():
                     if entry.get(key) is not None:
                         b.view(buf, i).copy_(entry[key])
@@ -187,4 +193,6 @@ class CompiledOptimizer(torch.optim.Optimizer):
                     "Load a checkpoint written by a run whose parameters all stepped together."
                 )
             step.fill_(steps.pop() if steps else 0.0)
-        self.state.clear()
+            self._has_state[b.index] = present
+            if present:
+                self._publish_state(b)
