@@ -105,6 +105,25 @@ def test_found_inf_leaves_everything_untouched(use_kernel):
     assert torch.equal(p, before[0]) and torch.equal(buf, before[1])
 
 
+def test_float64_updates_take_the_reference_in_float64():
+    """The kernels compute in float32 and Triton passes Python floats as float32: float64
+    parameters take the reference, with float64 scalars, and forcing the kernel says why not."""
+    p, g, m, v = (t.double() for t in _streams(257, torch.float32, 4, seed=6))
+    scalars = {k: torch.tensor([float(t)], dtype=torch.float64, device=DEVICE)
+               for k, t in dict(lr=0.1, step=3.0, scale=0.5, found_inf=0.0).items()}
+    hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, **scalars)
+    with pytest.raises(ValueError, match="float64 parameters take the reference"):
+        adam_step(p, g, m, v, force_triton=True, **hyper)
+    with pytest.raises(ValueError, match="lr must be a 1-element float64 tensor .* for float64 parameters"):
+        adam_step(p, g, m, v, **{**hyper, "lr": torch.tensor([0.1], device=DEVICE)})
+    want_m = 0.9 * m + 0.1 * g * 0.5
+    want_v = 0.999 * v + 0.001 * (g * 0.5) ** 2
+    want_p = p * (1 - 0.1 * 0.1) - 0.1 / (1 - 0.9**3) * want_m / (want_v.sqrt() / (1 - 0.999**3) ** 0.5 + 1e-8)
+    adam_step(p, g, m, v, **hyper)
+    for got, want in ((p, want_p), (m, want_m), (v, want_v)):
+        torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-15)
+
+
 def test_launcher_rejects_mismatched_buffers():
     p, g, m, v = _streams(17, torch.float32, 4, seed=5)
     with pytest.raises(ValueError, match="exp_avg_sq must be a flat contiguous tensor of 17 elements"):

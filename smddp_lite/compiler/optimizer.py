@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import adam_step, sgd_step
+from ..kernels._launch import arithmetic_dtype
 from .buckets import Bucket
 from .reducer import GradReducer
 
@@ -51,13 +52,18 @@ class CompiledOptimizer(torch.optim.Optimizer):
         keys = self._state_keys()
         # (numel,) flat state per bucket and key, and a step counter per bucket (device tensors)
         self.flat_state = [{k: torch.zeros_like(b.param_flat) for k in keys} for b in buckets]
-        self.steps = [torch.zeros(1, dtype=torch.float32, device=b.device) for b in buckets]
+        # scalars in the update's arithmetic dtype: float32, float64 for float64 parameters
+        self.steps = [torch.zeros(1, dtype=arithmetic_dtype(b.dtype), device=b.device) for b in buckets]
         # whether torch would keep state for a bucket's parameters yet, known on the host so that
         # publishing the state never waits on the device: after any Adam step (a skipped one
         # too), after SGD's first step with momentum
         self._has_state = [False] * len(buckets)
-        self._lr = {b.device: [torch.zeros(1, dtype=torch.float32, device=b.device) for _ in self.param_groups]
-                    for b in buckets}
+        self._lr = {(b.device, arithmetic_dtype(b.dtype)): [
+            torch.zeros(1, dtype=arithmetic_dtype(b.dtype), device=b.device) for _ in self.param_groups]
+            for b in buckets}
+        # the loss scale and clipping coefficient are worked out once, in float64 if any update is
+        self._multiplier_dtype = max((arithmetic_dtype(b.dtype) for b in buckets), key=lambda d: d.itemsize,
+                                     default=torch.float32)
         self._import(inner.state)
         # parameters the optimizer holds that were frozen at compile time: no bucket holds them
         bucketed = {id(p) for b in buckets for p in b.params}
@@ -87,17 +93,19 @@ class CompiledOptimizer(torch.optim.Optimizer):
         scale, found_inf = self._grad_multiplier()
         for b, state, step in zip(self.buckets, self.flat_state, self.steps):
             group = self.param_groups[b.group]
-            lr = self._lr[b.device][b.group]
+            compute = arithmetic_dtype(b.dtype)
+            lr = self._lr[(b.device, compute)][b.group]
             lr.copy_(group["lr"]) if torch.is_tensor(group["lr"]) else lr.fill_(group["lr"])
             # a skipped step does not count. SGD counts only steps with momentum: its first such
             # step starts the buffer at the gradient (torch's rule), also when a scheduler turns
             # momentum on mid-run
             if self.family != "sgd" or group["momentum"] != 0:
-                step.add_(1.0 - found_inf.to(step.device))
+                step.add_(1.0 - found_inf.to(step.device, compute))
                 if not self._has_state[b.index]:
                     self._has_state[b.index] = True
                     self._publish_state(b)
-            common = dict(lr=lr, step=step, scale=scale.to(b.device), found_inf=found_inf.to(b.device))
+            common = dict(lr=lr, step=step, scale=scale.to(b.device, compute),
+                          found_inf=found_inf.to(b.device, compute))
             if self.family == "sgd":
                 sgd_step(b.param_flat, b.grad_flat, state.get("momentum_buffer"), momentum=group["momentum"],
                          dampening=group["dampening"], weight_decay=group["weight_decay"],
@@ -120,14 +128,16 @@ class CompiledOptimizer(torch.optim.Optimizer):
                     "step does not update it. Call smddp_lite.compile again after changing requires_grad")
 
     def _grad_multiplier(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(1 / loss scale x clipping coefficient, found_inf) as float32 device tensors."""
+        """(1 / loss scale x clipping coefficient, found_inf) as device tensors (float32, or
+        float64 when some parameters are)."""
         device = self.buckets[0].device if self.buckets else torch.device("cpu")
+        dtype = self._multiplier_dtype
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         user_unscaled = grad_scale is None and found_inf is not None
-        inv_scale = (torch.ones(1, device=device) if grad_scale is None
-                     else grad_scale.to(device, torch.float32).reciprocal().reshape(1))
-        found_inf = (torch.zeros(1, device=device) if found_inf is None
-                     else found_inf.to(device, torch.float32).reshape(1))
+        inv_scale = (torch.ones(1, device=device, dtype=dtype) if grad_scale is None
+                     else grad_scale.to(device, dtype).reciprocal().reshape(1))
+        found_inf = (torch.zeros(1, device=device, dtype=dtype) if found_inf is None
+                     else found_inf.to(device, dtype).reshape(1))
         if self.max_grad_norm is None:
             return inv_scale, found_inf
         if user_unscaled:

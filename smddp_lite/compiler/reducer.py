@@ -15,6 +15,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ..kernels._launch import arithmetic_dtype
 from .buckets import Bucket
 
 log = logging.getLogger("smddp_lite")
@@ -29,7 +30,8 @@ class GradReducer:
         self.wire = [torch.empty(b.numel, dtype=wire_dtype, device=b.device)
                      if wire_dtype is not None and wire_dtype != b.dtype and world_size > 1 else None
                      for b in buckets]
-        self.sumsq = [torch.zeros((), dtype=torch.float32, device=b.device) for b in buckets]
+        # squared norms in the update's arithmetic dtype (float64 for float64 parameters)
+        self.sumsq = [torch.zeros((), dtype=arithmetic_dtype(b.dtype), device=b.device) for b in buckets]
         self._count_afresh()
         self._in_backward = False
         self._warned_unused = False
@@ -131,8 +133,9 @@ class GradReducer:
 
     def bucket_norm(self, b: Bucket) -> None:
         """Record the bucket's squared 2-norm (one read of its reduced gradients)."""
-        self.sumsq[b.index] = torch.linalg.vector_norm(b.grad_flat, dtype=torch.float32).square()
+        self.sumsq[b.index] = torch.linalg.vector_norm(b.grad_flat, dtype=arithmetic_dtype(b.dtype)).square()
 
     def grad_norm(self) -> torch.Tensor:
         """Global 2-norm of the (averaged, still loss-scaled) gradients, as a device tensor."""
-        return torch.stack([s.to(self.sumsq[0].device) for s in self.sumsq]).sum().sqrt()
+        dtype = max((s.dtype for s in self.sumsq), key=lambda d: d.itemsize, default=torch.float32)
+        return torch.stack([s.to(self.sumsq[0].device, dtype) for s in self.sumsq]).sum().sqrt()

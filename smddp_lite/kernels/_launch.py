@@ -7,11 +7,23 @@ import torch
 BLOCK = 2048  # elements per program: 8 KiB of each fp32 stream, enough to hide load latency
 
 
-def use_triton(device: torch.device, force: bool | None) -> bool:
-    """Triton for CUDA tensors; on the CPU only when asked (tests, under TRITON_INTERPRET=1)."""
+def arithmetic_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What an update of ``dtype`` parameters computes in, and the dtype of its scalars: float32,
+    or float64 for float64 parameters (a float32 learning rate alone is 2e-8 off)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def use_triton(device: torch.device, force: bool | None, dtype: torch.dtype) -> bool:
+    """Triton for CUDA tensors; on the CPU only when asked (tests, under TRITON_INTERPRET=1).
+
+    float64 parameters take the reference: the kernels compute in float32, and Triton passes
+    Python floats (betas, eps, weight decay) as float32 arguments."""
     if force is not None:
+        if force and dtype == torch.float64:
+            raise ValueError("the Triton kernels compute in float32; float64 parameters take the reference "
+                             "(pass force_triton=None or False)")
         return force
-    return device.type == "cuda"
+    return device.type == "cuda" and dtype != torch.float64
 
 
 # torch's fused CPU SGD leaves 16-bit parameters unchanged but for the last few elements
@@ -28,11 +40,15 @@ def torch_fused_cpu(device: torch.device, op: str, dtype: torch.dtype) -> bool:
     one pass per operation: on a 2-core CPU the reference ran at 0.17-0.28x of torch's fused
     AdamW (benchmarks/optimizer_step.py), so the reference stays the oracle and the fallback.
     """
-    return device.type == "cpu" and hasattr(torch, op) and dtype not in _BROKEN_FUSED_CPU.get(op, ())
+    # float64 takes the reference: torch's kernels take grad_scale (our unscale and clipping
+    # coefficient) only as float32
+    return (device.type == "cpu" and hasattr(torch, op) and dtype != torch.float64
+            and dtype not in _BROKEN_FUSED_CPU.get(op, ()))
 
 
 def check_buffers(name: str, flat: dict[str, torch.Tensor], scalars: dict[str, torch.Tensor]) -> int:
-    """All streams flat, contiguous, equally long, on one device; scalars 1-element float32."""
+    """All streams flat, contiguous, equally long, on one device; scalars 1-element tensors of
+    the update's arithmetic dtype (float32, or float64 for float64 parameters)."""
     first = next(iter(flat.values()))
     for key, t in flat.items():
         if t.dim() != 1 or not t.is_contiguous() or t.numel() != first.numel() or t.device != first.device:
@@ -40,10 +56,12 @@ def check_buffers(name: str, flat: dict[str, torch.Tensor], scalars: dict[str, t
                 f"{name}: {key} must be a flat contiguous tensor of {first.numel()} elements on {first.device}; "
                 f"found shape {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
             )
+    want = arithmetic_dtype(first.dtype)
     for key, t in scalars.items():
-        if t.numel() != 1 or t.dtype != torch.float32 or t.device != first.device:
+        if t.numel() != 1 or t.dtype != want or t.device != first.device:
             raise ValueError(
-                f"{name}: {key} must be a 1-element float32 tensor on {first.device}; found "
+                f"{name}: {key} must be a 1-element {str(want).replace('torch.', '')} tensor on {first.device} "
+                f"for {str(first.dtype).replace('torch.', '')} parameters; found "
                 f"{t.numel()} elements of {t.dtype} on {t.device}"
             )
     return first.numel()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import BLOCK, check_buffers, skipped_on_host, torch_fused_cpu, use_triton
+from ._launch import BLOCK, arithmetic_dtype, check_buffers, skipped_on_host, torch_fused_cpu, use_triton
 
 try:
     import triton
@@ -64,8 +64,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
     """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (flat, same length) in place.
 
     Args:
-        lr, step, scale, found_inf: 1-element float32 tensors on the buffers' device; ``step``
-            already counts this step.
+        lr, step, scale, found_inf: 1-element tensors on the buffers' device, float32 (float64
+            for float64 parameters); ``step`` already counts this step.
         decoupled: True for AdamW's weight decay, False for Adam's L2 penalty.
         force_triton: None picks Triton on CUDA, torch's fused CPU kernel on the CPU (else the
             reference); True forces the Triton kernel (tests run it on CPU tensors with
@@ -73,7 +73,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
     """
     n = check_buffers("adam_step", dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq),
                       dict(lr=lr, step=step, scale=scale, found_inf=found_inf))
-    if not use_triton(param.device, force_triton):
+    if not use_triton(param.device, force_triton, param.dtype):
         fused = "_fused_adamw_" if decoupled else "_fused_adam_"
         if force_triton is None and torch_fused_cpu(param.device, fused, param.dtype):
             # torch's kernel divides by grad_scale (and writes the unscaled gradient back)
@@ -105,16 +105,17 @@ def adam_reference(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_i
     if skip:
         return
     keep = None if skip is not None else found_inf == 0  # masks the writes on an accelerator
-    g = grad.float() * scale
-    p = param.float()
+    compute = arithmetic_dtype(param.dtype)
+    g = grad.to(compute) * scale
+    p = param.to(compute)
     if decoupled:
         p = p * (1.0 - lr * weight_decay)
     else:
         g = g + weight_decay * p
-    m = exp_avg.float().lerp(g, 1.0 - beta1) if beta1 != 1.0 else exp_avg.float()
-    v = exp_avg_sq.float() * beta2 + (1.0 - beta2) * g * g
+    m = exp_avg.to(compute).lerp(g, 1.0 - beta1) if beta1 != 1.0 else exp_avg.to(compute)
+    v = exp_avg_sq.to(compute) * beta2 + (1.0 - beta2) * g * g
     bias1 = 1.0 - beta1 ** step
     bias2 = 1.0 - beta2 ** step
     p = p - (lr / bias1) * m / (v.sqrt() / bias2.sqrt() + eps)
     for dst, src in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
-        dst.copy_(src if keep is None else torch.where(keep, src, dst.float()))
+        dst.copy_(src if keep is None else torch.where(keep, src, dst.to(compute)))

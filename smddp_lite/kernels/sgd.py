@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import BLOCK, check_buffers, skipped_on_host, torch_fused_cpu, use_triton
+from ._launch import BLOCK, arithmetic_dtype, check_buffers, skipped_on_host, torch_fused_cpu, use_triton
 
 try:
     import triton
@@ -53,13 +53,14 @@ def sgd_step(param, grad, momentum_buffer, *, lr, step, scale, found_inf, moment
 
     Args:
         momentum_buffer: flat like ``param``; ignored (may be None) when ``momentum`` is 0.
-        lr, step, scale, found_inf: 1-element float32 device tensors; ``step`` counts this step.
+        lr, step, scale, found_inf: 1-element device tensors, float32 (float64 for float64
+            parameters); ``step`` counts this step.
     """
     streams = dict(param=param, grad=grad)
     if momentum != 0:
         streams["momentum_buffer"] = momentum_buffer
     n = check_buffers("sgd_step", streams, dict(lr=lr, step=step, scale=scale, found_inf=found_inf))
-    if not use_triton(param.device, force_triton):
+    if not use_triton(param.device, force_triton, param.dtype):
         if force_triton is None and torch_fused_cpu(param.device, "_fused_sgd_", param.dtype):
             # on the CPU reading ``step`` is free; torch's kernel divides by grad_scale
             torch._fused_sgd_([param], [grad], [momentum_buffer] if momentum != 0 else [],
@@ -87,13 +88,14 @@ def sgd_reference(param, grad, momentum_buffer, *, lr, step, scale, found_inf, m
     if skip:
         return
     keep = None if skip is not None else found_inf == 0
-    p = param.float()
-    g = grad.float() * scale + weight_decay * p
+    compute = arithmetic_dtype(param.dtype)
+    p = param.to(compute)
+    g = grad.to(compute) * scale + weight_decay * p
     writes = []
     if momentum != 0:
-        buf = torch.where(step == 1.0, g, momentum * momentum_buffer.float() + (1.0 - dampening) * g)
+        buf = torch.where(step == 1.0, g, momentum * momentum_buffer.to(compute) + (1.0 - dampening) * g)
         writes.append((momentum_buffer, buf))
         g = g + momentum * buf if nesterov else buf
     writes.append((param, p - lr * g))
     for dst, src in writes:
-        dst.copy_(src if keep is None else torch.where(keep, src, dst.float()))
+        dst.copy_(src if keep is None else torch.where(keep, src, dst.to(compute)))
