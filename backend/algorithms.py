@@ -34,6 +34,10 @@ _SPLIT_RULE = ("Rank q's output_split_sizes[p] must equal rank p's input_split_s
                "tensor sizes likewise).")
 
 
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     """A 1-D contiguous view of ``t`` and a function that writes results back into ``t``."""
     if t.is_contiguous():
@@ -165,10 +169,14 @@ class Collectives:
         return wire, wire_op, finish
 
     # collectives -------------------------------------------------------------------------------
-    def all_reduce(self, tensors: list[torch.Tensor], op: RedOp) -> None:
+    def all_reduce(self, tensors: list[torch.Tensor], op: RedOp,
+                   premultiplied: Callable[[torch.Tensor], torch.Tensor] = _as_is) -> None:
+        """``premultiplied`` (a PREMUL_SUM's factor, in place) runs once the ranks agreed on the
+        call: a mismatch raises RecoverableMismatchError, which must leave the input as it was."""
         for group in _by_dtype(tensors):
             flat, unpack = _pack(group)
             self._agree("all_reduce", flat.dtype, flat.numel(), int(op))
+            flat = premultiplied(flat)
             if op is RedOp.AVG and flat.dtype in self.transport.all_reduces_16_bit_avg:
                 self.transport.all_reduce(flat, op)  # 16 bits on the network (widened: twice the bytes)
             else:
@@ -186,9 +194,12 @@ class Collectives:
             if self.rank != root:
                 unpack()
 
-    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
+    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp,
+               premultiplied: Callable[[torch.Tensor], torch.Tensor] = _as_is) -> None:
+        """``premultiplied``: as all_reduce's (in place on the root, a copy elsewhere)."""
         flat, unpack = _flat(tensor)
         self._agree("reduce", flat.dtype, flat.numel(), root * 16 + int(op))
+        flat = premultiplied(flat)
         wire, wire_op, finish = self._wire(flat, op)
         self.transport.reduce(wire, root, wire_op)
         if self.rank == root:

@@ -249,15 +249,17 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             tensors = _as_list(tensors)
             op, factor = self._reduce_op(opts or dist.AllreduceOptions())
 
-        def sent() -> list[torch.Tensor]:
-            """For a PREMUL_SUM, the tensors times the factor, in place (the result overwrites
-            them anyway). Runs after the checks, on the communication thread (CPU) or the
-            caller's stream, which the collective's stream waits for (CUDA)."""
-            return tensors if factor is None else [t.mul_(_factor_on(t, factor)) for t in tensors]
+        def premultiplied(t: torch.Tensor) -> torch.Tensor:
+            """For a PREMUL_SUM, ``t`` times the factor, in place (the result overwrites it
+            anyway). Runs after the checks: on the CPU after the ranks agreed on the call (a
+            mismatch leaves the group usable, so the input must be as it was), on CUDA on the
+            caller's stream, which the collective's stream waits for."""
+            return t if factor is None else t.mul_(_factor_on(t, factor))
 
         return self._run("all_reduce", tensors, tensors, lambda: _same_ops(op, tensors, factor),
-                         lambda: self.collectives.all_reduce(sent(), op),
-                         lambda n: n.check("all_reduce", [t.dtype for t in tensors], op) or n.all_reduce(sent(), op))
+                         lambda: self.collectives.all_reduce(tensors, op, premultiplied),
+                         lambda n: n.check("all_reduce", [t.dtype for t in tensors], op)
+                         or n.all_reduce([premultiplied(t) for t in tensors], op))
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -282,17 +284,18 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             _one_tensor("reduce", tensors)
             _same_ops(op, tensors, factor)
 
-        def sent() -> torch.Tensor:
-            """What this rank reduces: its tensor, or for a PREMUL_SUM its tensor times the
-            factor, in place on the root (which receives the result) and a copy elsewhere (whose
-            tensors a reduce leaves as they were)."""
-            t = tensors[0]
+        def premultiplied(t: torch.Tensor) -> torch.Tensor:
+            """What this rank reduces: ``t``, or for a PREMUL_SUM ``t`` times the factor, in place
+            on the root (which receives the result) and a copy elsewhere (whose tensors a reduce
+            leaves as they were). On the CPU it runs after the ranks agreed on the call."""
             if factor is None:
                 return t
             return t.mul_(_factor_on(t, factor)) if self.rank() == root else t * _factor_on(t, factor)
 
-        return self._run("reduce", tensors, tensors, check, lambda: self.collectives.reduce(sent(), root, op),
-                         lambda n: n.check("reduce", [tensors[0].dtype], op) or n.reduce(sent(), root, op))
+        return self._run("reduce", tensors, tensors, check,
+                         lambda: self.collectives.reduce(tensors[0], root, op, premultiplied),
+                         lambda n: n.check("reduce", [tensors[0].dtype], op)
+                         or n.reduce(premultiplied(tensors[0]), root, op))
 
     @_device_aware("all_gather")
     def allgather(self, output_tensors, input_tensors, opts=None):

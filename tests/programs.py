@@ -66,8 +66,11 @@ def mismatch(kind: str) -> dict:
     """Ranks disagree on the size, dtype or op of one call: every rank must raise, promptly."""
     smddp_lite.init(timeout=timedelta(seconds=60))
     rank, last = dist.get_rank(), dist.get_world_size() - 1
+    premul_input = torch.ones(10 + rank)  # PREMUL_SUM scales it in place, once the call goes ahead
     calls = {
         "size": lambda: dist.all_reduce(torch.ones(10 + rank)),
+        "premul_all_reduce_size": lambda: dist.all_reduce(premul_input, op=dist.ReduceOp.PREMUL_SUM(2.0)),
+        "premul_reduce_size": lambda: dist.reduce(premul_input, dst=0, op=dist.ReduceOp.PREMUL_SUM(2.0)),
         "dtype": lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank == 0 else torch.float64)),
         "op": lambda: dist.all_reduce(torch.ones(10)) if rank == 0 else dist.broadcast(torch.ones(10), src=0),
         # the last rank float8, the others uint8: the same bytes, which shm moves as such; its
@@ -87,6 +90,7 @@ def mismatch(kind: str) -> dict:
     }
     report = _error_of(calls[kind])
     report["usable_after"] = _usable_after_error()
+    report["premul_input_after"] = sorted(set(premul_input.tolist()))
     return report
 
 

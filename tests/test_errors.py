@@ -61,7 +61,8 @@ def test_bad_input_raises_on_every_rank_and_group_stays_usable(transport):
 
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
-@pytest.mark.parametrize("kind", ["size", "dtype", "op", "moved_dtype", "all_gather_sizes", "all_gather_paths"])
+@pytest.mark.parametrize("kind", ["size", "dtype", "op", "moved_dtype", "all_gather_sizes", "all_gather_paths",
+                                  "premul_all_reduce_size", "premul_reduce_size"])
 def test_mismatched_calls_raise_on_every_rank(transport, kind):
     reports = harness.values(harness.launch("tests.programs:mismatch", 2, env=TRANSPORT_ENVS[transport], kind=kind))
     # a mismatch found in a table every rank gathered (split sizes; SMDDP_CHECK_COLLECTIVES'
@@ -75,6 +76,8 @@ def test_mismatched_calls_raise_on_every_rank(transport, kind):
             assert error["type"] == "RecoverableMismatchError", (rank, error)
             assert "the group can still be used" in error["message"], error["message"]
             assert error["usable_after"] is True, (rank, error)
+            # nothing moved, and nothing was changed: a PREMUL_SUM's input is not yet scaled
+            assert error["premul_input_after"] == [1.0], (rank, error)
         else:
             assert error["type"] == "CollectiveMismatchError", (rank, error)
             assert "can no longer be used" in error["usable_after"], (rank, error)
