@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -35,7 +36,12 @@ class FutureOnRequest:
     of the future ``then`` returns, which C++ sees."""
 
     def __init__(self, outcome: Callable[[torch.futures.Future], Any], devices: list | None = None) -> None:
-        self._outcome = outcome
+        # A Work's own method, held weakly: the future's callback held the Work, which holds
+        # this, a cycle that only the garbage collector frees (every call's tensors stayed alive
+        # until it ran: 32 MB more per all_reduce of 32 MB in a loop), and not at all once
+        # torch's C++ future holds a link of it. The callback runs only while the Work completes
+        # the future (end, get), so the Work is alive whenever it runs.
+        self._outcome = _held_weakly(outcome)
         self._devices = devices
         self._completion: torch.futures.Future | None = None
         self._future: torch.futures.Future | None = None
@@ -69,6 +75,20 @@ class FutureOnRequest:
         return self._completion
 
 
+def _held_weakly(fn: Callable[[torch.futures.Future], Any]) -> Callable[[torch.futures.Future], Any]:
+    if not hasattr(fn, "__self__"):
+        return fn
+    method = weakref.WeakMethod(fn)
+
+    def call(completed: torch.futures.Future) -> Any:
+        bound = method()
+        if bound is None:  # cannot happen while a Work completes its own future; said if it does
+            raise SMDDPError("the work this future belongs to was freed before it completed the future")
+        return bound(completed)
+
+    return call
+
+
 def complete_with_none(completion: torch.futures.Future) -> None:
     """The ``complete`` a Work passes to FutureOnRequest: the completion carries no value, since
     its ``then`` callback (``outcome``) gives the future handed out the outputs or the error."""
@@ -89,6 +109,8 @@ class SMDDPWork(dist._Work):
         self._timeout_s = timeout.total_seconds()
         self._error: BaseException | None = None
         self._finished = False  # the call is over, and its future, if one was asked for, is complete
+        self._over = False  # the call is over (its future's callbacks may still be running)
+        self._runner: CommThread | None = None  # the thread it is queued on, if any
         # Held until the collective ends; wait() blocks on it. A plain lock, not an Event (a
         # Condition and its lock): one is made per call, and small calls felt the difference.
         self._running = threading.Lock()
@@ -103,13 +125,18 @@ class SMDDPWork(dist._Work):
     # called by the communication thread
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
+        self._over = True
         self._future.end(complete_with_none)  # runs _outcome: completes the future with the outputs or the error
         # only now: whoever sees the work finished (wait, is_completed) may read its future at once
         self._finished = True
         self._running.release()
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        if not self._finished:
+        if not self._finished and self._runner is not None and self._runner.runs_here():
+            # a future's callback, which runs on the communication thread, waits for a call
+            # queued behind the one it belongs to (PowerSGD's hook all-reduces P, then Q)
+            self._runner.run_until(self)
+        elif not self._finished:
             limit = timeout.total_seconds() or self._timeout_s
             if not self._running.acquire(timeout=limit):
                 raise PeerFailureError(
@@ -138,6 +165,8 @@ class SMDDPWork(dist._Work):
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
+        if not self._finished and self._runner is not None and self._runner.runs_here():
+            self._runner.run_until(self)  # as in wait(): the future's wait() could not run the queue
         return self._future.get(complete_with_none)
 
     def result_tensors(self) -> list[torch.Tensor]:
@@ -166,10 +195,15 @@ def run_into(fn: Callable[[], Any], work: SMDDPWork) -> SMDDPWork:
 
 class CommThread:
     """Runs submitted collectives one after another on a daemon thread, or on the caller's
-    thread when ``inline`` (see ``Transport.runs_inline``)."""
+    thread when ``inline`` (see ``Transport.runs_inline``).
+
+    A Work's future completes on this thread, and runs its ``then`` callbacks here. A callback
+    that makes another call and waits for it (torch's PowerSGD hook does) would wait for this
+    thread forever: its waits run the queue here instead, in order, up to that call."""
 
     def __init__(self, name: str, inline: bool) -> None:
         self._inline = inline
+        self._stopping = False
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], SMDDPWork] | None] = queue.SimpleQueue()
         self._thread = None if inline else threading.Thread(target=self._loop, name=name, daemon=True)
         if self._thread is not None:
@@ -178,12 +212,31 @@ class CommThread:
     def submit(self, fn: Callable[[], Any], work: SMDDPWork) -> SMDDPWork:
         if self._inline:
             return run_into(fn, work)
+        work._runner = self
         self._queue.put((fn, work))
         return work
 
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
+    def runs_here(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def run_until(self, work: SMDDPWork) -> None:
+        """On this thread: run queued calls, in the order they came, until ``work`` is over."""
+        while not work._over:
+            item = self._queue.get()  # ``work`` is queued, so this cannot wait for ever
+            if item is None:  # stop() came while a callback waited: end once the queue is run
+                self._stopping = True
+                continue
             run_into(*item)
+            del item  # see _loop
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            item = self._queue.get()
+            if item is None:
+                return
+            run_into(*item)
+            # the call's tensors are the caller's to free: held here, they lived until the next call
+            del item
 
     def stop(self) -> None:
         """Let queued collectives finish, then end the thread."""

@@ -328,6 +328,76 @@ def ddp_parity(steps: int = 12) -> dict:
     return result
 
 
+def ddp_powersgd_parity(steps: int = 12) -> dict:
+    """DDP with torch's PowerSGD hook on "smddp" and on "gloo", side by side in one job. The
+    hook's future callbacks all-reduce P and then Q and wait for each inside the callback, which
+    runs on the thread that completed the first all_reduce: smddp's communication thread."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    variants = {"smddp": DDP(_parity_model(), process_group=dist.group.WORLD),
+                "gloo": DDP(_parity_model(), process_group=gloo)}
+    for name, group in (("smddp", dist.group.WORLD), ("gloo", gloo)):
+        # compression from the third step on; every matrix compressed (min_compression_rate 0)
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                            min_compression_rate=0.0, use_error_feedback=True)
+        variants[name].register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    optims = {k: torch.optim.SGD(m.parameters(), lr=0.05) for k, m in variants.items()}
+    losses = {k: [] for k in variants}
+    for x, y in _parity_batches(rank, steps):
+        for name, ddp in variants.items():
+            optims[name].zero_grad()
+            loss = torch.nn.functional.cross_entropy(ddp(x), y)
+            loss.backward()
+            optims[name].step()
+            losses[name].append(loss.item())
+    diff = max(float((p - q).abs().max()) for p, q in zip(variants["smddp"].parameters(),
+                                                          variants["gloo"].parameters()))
+    dist.destroy_process_group()
+    return {"max_diff": diff, "losses": losses["smddp"], "gloo_losses": losses["gloo"]}
+
+
+def tensors_freed_after_calls() -> dict:
+    """Whether each call's tensors are freed once the caller drops them and the Work, with the
+    cyclic garbage collector off (a long training loop rarely runs it): a plain all_reduce, one
+    whose future was asked for (DDP asks for every bucket's), and a send / recv. True: freed."""
+    import gc
+    import weakref
+
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    gc.collect()
+    gc.disable()
+    try:
+        freed = {}
+        t = torch.ones(1000)
+        ref = weakref.ref(t)
+        dist.all_reduce(t)
+        del t
+        dist.barrier()  # the communication thread lets go of a call before it takes the next
+        freed["all_reduce"] = ref() is None
+        t = torch.ones(1000)
+        ref = weakref.ref(t)
+        work = dist.all_reduce(t, async_op=True)
+        work.get_future().then(lambda f: f.value()).wait()
+        del t, work
+        dist.barrier()
+        freed["all_reduce_future"] = ref() is None
+        t = torch.ones(1000)
+        ref = weakref.ref(t)
+        dist.send(t, 1) if rank == 0 else dist.recv(t, 0)
+        del t
+        dist.barrier()
+        freed["send_recv"] = ref() is None
+    finally:
+        gc.enable()
+    dist.destroy_process_group()
+    return freed
+
+
 def fsdp_parity(steps: int = 6, param_dtype: str | None = None, divide_factor: float | None = None) -> dict:
     """The same model sharded with FSDP2 (fully_shard) on "smddp" and on "gloo", side by side in
     one job: FSDP gathers parameters with all_gather_into_tensor and reduces gradients with
