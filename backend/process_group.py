@@ -200,6 +200,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         """On the communication thread, in call order: tell peers this rank refused ``call``;
         if some were inside it and left, this rank's later calls must not go on (they would pair
         with the operations those peers left posted)."""
+        if self._failure is not None or self._closed:  # refused because of that: nothing to learn
+            self.transport.reject(call, message, learn_outcome=False)
+            return
         cannot_go_on = self.transport.reject(call, message)
         if cannot_go_on and self._failure is None:
             self._failure = f"{where(self.rank(), self.size(), op)} {cannot_go_on}"

@@ -187,12 +187,22 @@ def one_rank_refuses(retry: bool = False, kind: str = "dtype") -> dict:
 
 
 def peer_dies() -> dict:
-    """Rank 1 exits abruptly; rank 0's next collective must raise naming it, well before the timeout."""
+    """Rank 1 exits abruptly; rank 0's next collective must raise naming it, well before the
+    timeout. Its call after that is refused (the group failed), and destroying the group then
+    must neither wait for the dead rank nor leave the communication thread behind."""
+    import threading
+
     smddp_lite.init(timeout=timedelta(seconds=120))
     dist.barrier()
     if dist.get_rank() == 1:
         os._exit(3)
-    return _error_of(lambda: dist.all_reduce(torch.ones(1000)))
+    report = _error_of(lambda: dist.all_reduce(torch.ones(1000)))
+    report["next_call"] = _error_of(lambda: dist.all_reduce(torch.ones(10)))["message"]
+    start = time.monotonic()
+    dist.destroy_process_group()
+    report["destroy_seconds"] = time.monotonic() - start
+    report["threads_after"] = [t.name for t in threading.enumerate() if t.name.startswith("smddp-comm")]
+    return report
 
 
 def peer_stuck() -> dict:

@@ -154,12 +154,13 @@ class Transport(abc.ABC):
         self.all_gather(everyone, mine)
         return everyone.view(self.world_size, len(signature)).tolist()
 
-    def reject(self, call_index: int, reason: str) -> str | None:
+    def reject(self, call_index: int, reason: str, learn_outcome: bool = True) -> str | None:
         """This rank refused call ``call_index`` that peers may be waiting in; tell them (so they
         raise now instead of at the timeout). Returns why this group cannot go on, if peers were
-        left inside the call (RefusalBoard.post), else None."""
+        left inside the call (RefusalBoard.post), else None. ``learn_outcome=False`` (the group
+        can no longer be used anyway): tell them without waiting to hear back."""
         if self.refusals is not None:
-            return self.refusals.post(call_index, reason)
+            return self.refusals.post(call_index, reason, learn_outcome)
         return None
 
     def close(self) -> None:

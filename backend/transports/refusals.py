@@ -59,14 +59,18 @@ class RefusalBoard:
         (MPI) turn it on."""
 
     # the refusing rank ----------------------------------------------------------------------------
-    def post(self, call: int, reason: str) -> str | None:
+    def post(self, call: int, reason: str, learn_outcome: bool = True) -> str | None:
         """This rank refused call ``call`` because of ``reason`` (its error text). Returns None
         once every rank has refused it too (the group goes on), or why the group cannot go on:
         ranks that were inside the call and left it hold operations that this rank's next call
-        would pair with."""
+        would pair with. ``learn_outcome=False``: returns None at once (a group already failed
+        on this rank need not learn it; waiting for a dead peer's outcome held the communication
+        thread for the group's timeout, and destroy_process_group for 5 s)."""
         key = str(call)
         self._store.set(key, f"rank {self.rank} refused this call: {reason}")
         self._store.set(f"{key}/{self.rank}", REFUSED)
+        if not learn_outcome:
+            return None
         outcomes = [f"{key}/{r}" for r in range(self.world_size)]
         try:
             self._store.wait(outcomes, self.timeout)

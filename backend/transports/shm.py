@@ -273,7 +273,7 @@ class ShmTransport(Transport):
     def barrier(self) -> None:
         self._sync(self._begin("barrier", None, 0, 0))
 
-    def reject(self, call_index: int, reason: str) -> None:
+    def reject(self, call_index: int, reason: str, learn_outcome: bool = True) -> None:
         # peers that leave the call mark the segment broken, which this rank's next call sees
         self.seg.reject(call_index, reason)
 
