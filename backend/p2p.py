@@ -232,8 +232,10 @@ class PeerLinks:
             if link is None:
                 link = self._links[peer] = _PairLink(self._store, self._rank, peer, self._timeout)
         after = None
-        if not tensor.is_contiguous():  # gloo moves contiguous memory
-            wire = tensor.contiguous()
+        # gloo moves contiguous memory, as it is: a lazy negative or conjugate view holds its
+        # values unresolved (a contiguous one was sent with the wrong sign)
+        if not tensor.is_contiguous() or tensor.is_neg() or tensor.is_conj():
+            wire = tensor.resolve_conj().resolve_neg().contiguous()
             if kind == "recv":
                 def after() -> None:
                     with torch.no_grad():

@@ -219,7 +219,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if self._failure is not None:
             raise RuntimeError(f"this process group can no longer be used: {self._failure}")
 
-    def _check_tensor(self, op: str, t: object) -> None:
+    def _check_tensor(self, op: str, t: object, lazy_views: bool = False) -> None:
+        """``lazy_views``: the op takes lazy conjugate / negative views (send and recv resolve them)."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, found {type(t).__name__}")
         if t.device.type not in ("cpu", "cuda"):
@@ -229,6 +230,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             )
         if t.layout != torch.strided:
             raise ValueError(f"expected a dense (strided) tensor, found layout {t.layout}; call .to_dense()")
+        if not lazy_views and (t.is_conj() or t.is_neg()):
+            # lazy conjugate / negative views: the memory holds the values unconjugated, and
+            # every transport moves memory (a contiguous one was sent with the wrong sign)
+            raise ValueError(f"the tensor is a lazy {'conjugate' if t.is_conj() else 'negative'} view; call "
+                             f"{'.resolve_conj()' if t.is_conj() else '.resolve_neg()'} first (torch's own "
+                             "backends read its memory as it is too)")
         if t.is_quantized:
             raise ValueError(f"quantized tensors ({ops.dtype_name(t.dtype)}) are not supported; send t.int_repr() "
                              "and the scale and zero point, as with torch's own backends")
@@ -536,12 +543,17 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         try:
             self._check_usable(kind)
             _one_tensor(kind, tensors)
-            self._check_tensor(kind, tensors[0])
+            self._check_tensor(kind, tensors[0], lazy_views=True)
             if not 0 <= peer < size or peer == rank:
                 raise ValueError(f"peer rank {peer} is not another rank of this group of {size} "
                                  f"(0..{size - 1}, not this rank, {rank})")
-            if not isinstance(tag, int) or tag < 0:
-                raise ValueError(f"tag {tag!r} must be a non-negative int")
+            if not isinstance(tag, int) or not 0 <= tag < 2**31:
+                # gloo's tags are 32-bit: a larger one failed the post and closed the pair's link
+                raise ValueError(f"tag {tag!r} must be an int from 0 to 2**31 - 1")
+            if kind == "recv" and any(st == 0 and n > 1 for st, n in zip(tensors[0].stride(), tensors[0].shape)):
+                raise ValueError(f"cannot receive into a tensor whose elements share memory (shape "
+                                 f"{tuple(tensors[0].shape)}, strides {tensors[0].stride()}: expand()ed?); "
+                                 "receive into a tensor of its own (torch.empty(shape)) and expand that")
         except (TypeError, ValueError, RuntimeError) as exc:
             raise ValueError(f"{where(rank, size, kind)} {exc}") from None
         if tensors[0].is_cuda:  # through host memory (the route stages the call)

@@ -48,6 +48,7 @@ def bad_input() -> dict:
         "list_count": lambda: dist.all_gather([torch.empty(3)], torch.ones(3)),
         "root": lambda: dist.broadcast(torch.ones(3), src=dist.get_world_size() + 4),
         "recv_any_source": lambda: dist.recv(torch.ones(3)),
+        "lazy_negative": lambda: dist.all_reduce(torch.tensor([1 + 2j]).conj().imag),
         "send_tag": lambda: dist.send(torch.ones(3), dst=(dist.get_rank() + 1) % dist.get_world_size(), tag=-1),
         "split_sum": lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), input_split_sizes=[1, 2]),
         "split_count": lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), output_split_sizes=[4]),
@@ -896,7 +897,15 @@ def point_to_point_errors() -> dict:
         "outside": _error_of(lambda: dist.send(torch.ones(3), dst=5)),
         "tag": _error_of(lambda: dist.recv(torch.ones(3), src=1 - rank, tag=-2)),
         "any_source": _error_of(lambda: dist.recv(torch.ones(3))),
+        # gloo's tags are 32-bit: this one failed the post and closed the pair's link
+        "big_tag": _error_of(lambda: dist.send(torch.ones(3), dst=1 - rank, tag=2**40)),
+        "recv_expanded": _error_of(lambda: dist.recv(torch.zeros(1).expand(4), src=1 - rank, tag=4)),
     }
+    # a contiguous lazy negative view (the imaginary part of a conjugate): its memory holds +2
+    negative = torch.tensor([1 + 2j]).conj().imag
+    received = torch.zeros(1)
+    dist.send(negative, dst=1) if rank == 0 else dist.recv(received, src=0)
+    report["negative_view_received"] = received.tolist() if rank == 1 else [-2.0]
     started = time.monotonic()
     report["never_sent"] = _error_of(lambda: dist.recv(torch.ones(3), src=1 - rank, tag=9))
     report["never_sent"]["seconds"] = time.monotonic() - started

@@ -32,7 +32,9 @@ def test_send_recv_under_mpiexec():
 
 EXPECTED = {
     "outside": ["peer rank 5", "0..1"],
-    "tag": ["tag -2", "non-negative"],
+    "tag": ["tag -2", "from 0 to 2**31 - 1"],
+    "big_tag": ["tag 1099511627776", "from 0 to 2**31 - 1"],
+    "recv_expanded": ["cannot receive into a tensor whose elements share memory", "expand"],
     "any_source": ["any source", "src="],
     "never_sent": ["from rank", "tag 9", "3 s"],
     "after_timeout": ["tag 10", "failed earlier", "cannot be used again"],
@@ -53,6 +55,7 @@ def test_bad_peers_raise_and_a_missing_sender_times_out():
         assert report["after_timeout"]["seconds"] < 1, report["after_timeout"]
         assert report["never_sent"]["backend_error"], "a timed-out recv must be a DistBackendError"
         assert report["usable_after"]
+        assert report["negative_view_received"] == [-2.0], report
 
 
 def test_pipeline_schedules_match_gloo():
