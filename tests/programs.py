@@ -514,6 +514,30 @@ def init_auto() -> dict:
     return _summary()
 
 
+def init_refused() -> dict:
+    """smddp_lite.init() expected to raise (a configuration that cannot work): its error, on
+    each rank, and how long it took (the group's timeout is 60 s)."""
+    return _error_of(lambda: smddp_lite.init(timeout=timedelta(seconds=60)))
+
+
+def mpi_subgroups_on_simulated_hosts(per_host: int = 2) -> dict:
+    """Under mpiexec, ranks on simulated hosts of ``per_host`` (SMDDP_HOSTNAME from the MPI
+    rank): the default group is hierarchical, and a group inside one host (tensor parallel, HSDP's
+    shard group) and one across hosts take MPI. Each group's transport and all_reduce sum."""
+    os.environ["SMDDP_HOSTNAME"] = f"sim-host-{int(os.environ['PMI_RANK']) // per_host}"
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    report = {"default": dist.group.WORLD.transport.name}
+    for name, members in (("in_host", [0, 1]), ("across_hosts", [1, 2, 3])):
+        group = dist.new_group(members)
+        if rank in members:
+            t = torch.full((3,), float(rank + 1))
+            dist.all_reduce(t, group=group)
+            report[name] = {"transport": group.transport.name, "sum": t.tolist()}
+    dist.destroy_process_group()
+    return report
+
+
 def _summary() -> dict:
     t = torch.full((4,), float(dist.get_rank() + 1))
     dist.all_reduce(t)

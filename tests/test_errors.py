@@ -204,6 +204,17 @@ def test_rank_refusing_a_call_releases_its_waiting_peers(transport, kind, retry)
         assert words in report["message"], (rank, report)
 
 
+def test_shm_forced_across_hosts_is_refused_on_every_rank():
+    """Rank 0 decides the transport; it raised the clear error, and the other ranks waited for
+    its decision until the group's timeout."""
+    reports = harness.values(harness.launch("tests.programs:init_refused", 2, env={"SMDDP_TRANSPORT": "shm"},
+                                            interleaved_hosts=2))
+    for rank, error in enumerate(reports):
+        assert f"[smddp rank {rank}/2" in error["message"], error
+        assert "SMDDP_TRANSPORT=shm needs every rank on one host" in error["message"], error
+        assert error["seconds"] < 10, error
+
+
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
 def test_dead_peer_raises_naming_rank_and_op(transport):
     results = harness.launch("tests.programs:peer_dies", 2, env=TRANSPORT_ENVS[transport])

@@ -43,6 +43,21 @@ def test_mpirun_without_rank_variables(world):
 
 
 @pytest.mark.mpi
+def test_mpi_subgroups_when_the_default_group_is_hierarchical():
+    """mpirun over several hosts makes the default group hierarchical; a subgroup that takes MPI
+    then failed ("the default smddp group must use MPI before a subgroup can"): it learns its
+    members' MPI ranks through its own store now."""
+    harness.skip_without_mpiexec()
+    reports = harness.values(harness.launch_mpi("tests.programs:mpi_subgroups_on_simulated_hosts", 4))
+    for rank, report in enumerate(reports):
+        assert report["default"] == "hierarchical", (rank, report)
+        if rank in (0, 1):
+            assert report["in_host"] == {"transport": "mpi", "sum": [3.0] * 3}, (rank, report)
+        if rank in (1, 2, 3):
+            assert report["across_hosts"] == {"transport": "mpi", "sum": [9.0] * 3}, (rank, report)
+
+
+@pytest.mark.mpi
 def test_mpi_all_reduce_larger_than_one_piece_is_exact():
     """The MPI transport splits an all_reduce above 16 MiB into pieces (MPICH is slow on larger
     ones); 2 pieces and a ragged tail must still give every element its exact sum."""

@@ -32,14 +32,6 @@ _MPI_OP = {RedOp.SUM: "SUM", RedOp.PRODUCT: "PROD", RedOp.MIN: "MIN", RedOp.MAX:
 _ALL_REDUCE_PIECE_BYTES = 16 << 20
 _YIELD_FOR_S = 0.02
 _SLEEP_S = 100e-6
-_world_rank_of_torch_rank: list[int] | None = None
-
-
-def world_ranks(global_ranks: list[int]) -> list[int]:
-    """MPI COMM_WORLD ranks of the given torch global ranks (they differ when a launcher renumbers)."""
-    if _world_rank_of_torch_rank is None:
-        raise RuntimeError("the default smddp group must use MPI before a subgroup can")
-    return [_world_rank_of_torch_rank[g] for g in global_ranks]
 
 
 def _buf(t: torch.Tensor):
@@ -62,9 +54,8 @@ def _unaliased(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 class MPITransport(Transport):
     name = "mpi"
 
-    def __init__(self, rank: int, world_size: int, global_ranks: list[int] | None, timeout) -> None:
+    def __init__(self, rank: int, world_size: int, global_ranks: list[int] | None, timeout, store) -> None:
         super().__init__(rank, world_size)
-        global _world_rank_of_torch_rank
         MPI = _mpi()
         self._MPI = MPI
         self.timeout_s = timeout.total_seconds()
@@ -78,10 +69,13 @@ class MPITransport(Transport):
                 )
             # key=rank orders the new communicator by torch rank, whatever order the launcher used
             self.comm = world.Split(color=0, key=rank)
-            _world_rank_of_torch_rank = self.comm.allgather(world.Get_rank())
         else:
-            group = world.Get_group().Incl(world_ranks(global_ranks))
-            self.comm = world.Create_group(group)
+            # a subgroup: its members' COMM_WORLD ranks (a launcher may number them otherwise
+            # than torch), learned through the group's store, so that the default group need not
+            # be MPI (under mpiexec on several hosts it is the hierarchical transport)
+            store.set(f"mpi-world-rank/{rank}", str(world.Get_rank()))
+            members = [int(store.get(f"mpi-world-rank/{r}")) for r in range(world_size)]
+            self.comm = world.Create_group(world.Get_group().Incl(members))
         if self.comm.Get_rank() != rank:
             raise RuntimeError(f"{where(rank, world_size, 'init')} MPI rank {self.comm.Get_rank()} != group rank")
 

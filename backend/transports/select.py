@@ -38,6 +38,8 @@ def _choose(store, rank: int, world_size: int, config) -> tuple[str, str, list[s
     hosts = [store.get(f"host/{r}").decode() for r in range(world_size)]
     if rank != 0:
         name, reason = store.get("transport").decode().split("|", 1)
+        if name == "error":  # rank 0 refused the choice: every rank says why, not only rank 0
+            raise ValueError(f"{where(rank, world_size, 'init')} {reason}")
         return name, reason, hosts
     forced = config.transport
     same_host = len(set(hosts)) == 1
@@ -68,10 +70,10 @@ def _choose(store, rank: int, world_size: int, config) -> tuple[str, str, list[s
     else:
         name, reason = "gloo", f"ranks on {len(set(hosts))} hosts"
     if name == "shm" and not same_host:
-        raise ValueError(
-            f"{where(rank, world_size, 'init')} SMDDP_TRANSPORT=shm needs every rank on one host; found "
-            f"hosts {sorted(set(hosts))}. Unset SMDDP_TRANSPORT or use gloo/mpi."
-        )
+        why = (f"SMDDP_TRANSPORT=shm needs every rank on one host; found hosts {sorted(set(hosts))}. Unset "
+               "SMDDP_TRANSPORT or use gloo/mpi.")
+        store.set("transport", f"error|{why}")
+        raise ValueError(f"{where(rank, world_size, 'init')} {why}")
     store.set("transport", f"{name}|{reason}")
     return name, reason, hosts
 
@@ -130,7 +132,7 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
             )
         from .mpi import MPITransport
 
-        transport = MPITransport(rank, world_size, global_ranks, timeout)
+        transport = MPITransport(rank, world_size, global_ranks, timeout, store)
     else:
         from .gloo import GlooTransport
 
