@@ -187,6 +187,31 @@ def one_rank_refuses(retry: bool = False, kind: str = "dtype") -> dict:
     return error
 
 
+def rooted_call_refused(op: str = "broadcast") -> dict:
+    """The last rank refuses a broadcast or scatter from rank 0, whose part on some other ranks
+    ends without it (MPI's root sends a small message without waiting; gloo's tree reaches some
+    ranks without it). Then every rank all-reduces. Each rank's first error of the two calls,
+    and the seconds both took: the group must be failed on every rank, well before the 60 s timeout."""
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    dist.all_reduce(torch.ones(3))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = "meta" if rank == world - 1 else "cpu"
+    calls = {
+        "broadcast": lambda: dist.broadcast(torch.ones(3, device=device), src=0),
+        "scatter": lambda: dist.scatter(torch.empty(3, device=device),
+                                        [torch.ones(3) for _ in range(world)] if rank == 0 else None, src=0),
+    }
+    started = time.monotonic()
+    report = _error_of(calls[op])
+    if report["type"] is None:
+        report = _error_of(lambda: dist.all_reduce(torch.ones(3)))
+    report["seconds"] = time.monotonic() - started
+    if rank == world - 1:
+        report["next"] = _error_of(lambda: dist.all_reduce(torch.ones(3)))["message"]
+        time.sleep(3)  # stay alive: the others must hear of it from the store, not from a closed socket
+    return report
+
+
 def peer_dies() -> dict:
     """Rank 1 exits abruptly; rank 0's next collective must raise naming it, well before the
     timeout. Its call after that is refused (the group failed), and destroying the group then

@@ -164,6 +164,27 @@ REFUSAL_CASES = [(transport, "dtype") for transport in sorted(REFUSAL_LAUNCHES) 
 ]
 
 
+@pytest.mark.parametrize("transport,world,op", [("gloo", 4, "broadcast"), ("gloo", 4, "scatter"),
+                                               ("mpi", 2, "broadcast")])
+def test_a_refused_call_that_some_ranks_finish_without_the_refuser_fails_the_group_everywhere(transport, world, op):
+    """Those ranks never waited in the refused call, so they never looked for its refusal: the
+    refuser waited for their outcome and they for the refuser in the next call, both until the
+    group's timeout. They hear of it in their next wait now."""
+    env = {"SMDDP_TRANSPORT": transport}
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+        results = harness.launch_mpi("tests.programs:rooted_call_refused", world, env=env, op=op)
+    else:
+        results = harness.launch("tests.programs:rooted_call_refused", world, env=env, op=op)
+    reports = harness.values(results)
+    assert "is on meta" in reports[-1]["message"], reports[-1]
+    assert "can no longer be used" in reports[-1]["next"], reports[-1]
+    for rank, report in enumerate(reports[:-1]):
+        assert report["backend_error"] and "can no longer be used" in report["message"], (rank, report)
+        assert f"rank {world - 1} refused" in report["message"], (rank, report)
+        assert report["seconds"] < 4, (rank, report)
+
+
 @pytest.mark.parametrize("retry", [False, True], ids=["refuser-stops", "refuser-retries"])
 @pytest.mark.parametrize("transport,kind", REFUSAL_CASES)
 def test_rank_refusing_a_call_releases_its_waiting_peers(transport, kind, retry):

@@ -13,7 +13,9 @@ A peer that leaves a call this way leaves its gloo or MPI operation posted, and 
 match operations by order: the refusing rank's next call would pair with it and mix the two
 calls' data. So every rank records its outcome of a refused call (refused it too, or left it),
 and the refusing rank's next call waits for all of them: if every rank refused, the group goes
-on; if any left, the group is failed on the refusing rank too.
+on; if any left, the group is failed on the refusing rank too. A rank whose part of the refused
+call ended without the refusing rank (a rooted call's) never waited in it: it hears of it in its
+next wait (LATEST_REFUSAL_KEY), and records that it left.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from ..errors import PeerFailureError, PeerRefusedError
 log = logging.getLogger("smddp_lite")
 
 POLL_S = 0.05
-"""How often a waiting rank looks for a refusal of its call (each look is one store round trip)."""
+"""How often a waiting rank looks for a refusal of its call (each look is two store round trips:
+its call's key and LATEST_REFUSAL_KEY)."""
 POLL = timedelta(seconds=POLL_S)
 SLOW_POLL_AFTER_S = 5.0
 SLOW_POLL_S = 1.0
@@ -38,6 +41,11 @@ a call starts, so it is nearly always heard early, and hundreds of ranks waiting
 rank would otherwise send thousands of requests a second to the store's host."""
 
 REFUSED, LEFT = "refused", "left"
+LATEST_REFUSAL_KEY = "latest"
+"""The number of the group's latest refused call: a rank whose part of it ended without the
+refusing rank (a broadcast's root under MPI sends small messages without waiting; gloo's tree
+broadcast and scatter end early on some ranks) never waited in it, and hears of it in a later
+call's wait instead."""
 FAILED_IN_CALL, FAILED_KEY = "failed in call", "failed"
 """What a failure's announcement says after the rank's number, and its key: one for the whole
 group, since the peers may have left the failed call and be waiting in a later one."""
@@ -55,7 +63,7 @@ class RefusalBoard:
         self._looking_at = (0, 0.0, 0.0)  # (call, first look, last look) of the current wait
         self.hears_failures = False
         """Whether waits also look for a failure announced in any call (announce_failure): a
-        second store round trip per look, so only transports whose failures can stay on one rank
+        third store round trip per look, so only transports whose failures can stay on one rank
         (MPI) turn it on."""
 
     # the refusing rank ----------------------------------------------------------------------------
@@ -69,6 +77,7 @@ class RefusalBoard:
         key = str(call)
         self._store.set(key, f"rank {self.rank} refused this call: {reason}")
         self._store.set(f"{key}/{self.rank}", REFUSED)
+        self._store.set(LATEST_REFUSAL_KEY, key)
         if not learn_outcome:
             return None
         outcomes = [f"{key}/{r}" for r in range(self.world_size)]
@@ -119,6 +128,15 @@ class RefusalBoard:
                 said = self._store.get(key).decode(errors="replace")
                 self._store.set(f"{key}/{self.rank}", LEFT)
                 return said
+            if self._store.check([LATEST_REFUSAL_KEY]):
+                # an earlier call refused by a peer, which this rank neither refused nor left:
+                # its part ended without that rank, whose next call would pair with it
+                earlier = self._store.get(LATEST_REFUSAL_KEY).decode()
+                if int(earlier) < call and not self._store.check([f"{earlier}/{self.rank}"]):
+                    said = self._store.get(earlier).decode(errors="replace")
+                    self._store.set(f"{earlier}/{self.rank}", LEFT)
+                    return said.replace("refused this call", f"refused call #{earlier}, which this rank's part "
+                                        "ended without it", 1)
             if self.hears_failures and self._store.check([FAILED_KEY]):
                 return self._store.get(FAILED_KEY).decode(errors="replace")
         except (RuntimeError, OSError):  # DistStoreError and socket errors
