@@ -69,11 +69,20 @@ class PointToPointWork(dist._Work):
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         limit = timeout.total_seconds() or self._timeout_s
+        deadline = time.monotonic() + limit
         ended_now = False
-        with self._lock:
+        # another waiter (get_future's watcher, which waits for the group's timeout) may hold the
+        # lock: this wait still ends at its own deadline
+        if not self._lock.acquire(timeout=limit):
+            raise PeerFailureError(
+                f"{self._describe}: not complete within {limit:.0f} s; the peer is stuck, dead, or never calls the "
+                "matching send/recv with this tag")
+        try:
             if not self._finished:
-                self._wait_for_gloo(time.monotonic() + limit, limit)
+                self._wait_for_gloo(deadline, limit)
                 self._finished = ended_now = True
+        finally:
+            self._lock.release()
         if ended_now:  # outside the lock: the future's callbacks may touch this work again
             self._future.end(complete_with_none)
         if self._error is not None:
@@ -177,7 +186,10 @@ class _PairLink:
         with self._lock:
             if self._closed:  # the process group was destroyed while this link was being made
                 return
-            self._group, self._error = group, error
+            # a call that timed out before the link was made failed it (fail()): its calls, that
+            # one among them, must not be carried out now (a later recv would get the wrong message)
+            if self._error is None:
+                self._group, self._error = group, error
             pending, self._pending = self._pending, []
             for call in pending:
                 self._post(*call)

@@ -967,6 +967,35 @@ def point_to_point_errors() -> dict:
     return report
 
 
+def recv_timed_out_before_the_link() -> dict:
+    """Rank 1's first irecv from rank 0 waits 1 s and gives up before rank 0 ever names it; rank
+    0 then sends A, and rank 1 receives again. The message must not land in the tensor of the
+    recv that already failed (it did, and the retry silently got the next message): as on gloo,
+    the pair's link failed with the timeout, and both ranks' next calls on it say so. A
+    get_future() asked for before a wait(1 s) must not stretch that wait (to the group's 8 s)."""
+    smddp_lite.init(timeout=timedelta(seconds=8))
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    report = {}
+    if rank == 1:
+        first = torch.zeros(3)
+        work = dist.irecv(first, 0)
+        work.get_future()
+        started = time.monotonic()
+        report["wait"] = _error_of(lambda: work.wait(timedelta(seconds=1)))
+        report["wait_seconds"] = time.monotonic() - started
+        store.set("test-recv-gave-up", "1")
+        store.wait(["test-send-over"])  # the link exists by now: rank 0 has made it and sent on it
+        report["first_after"] = first.tolist()
+        report["retry"] = _error_of(lambda: dist.recv(torch.zeros(3), 0))
+    else:
+        store.wait(["test-recv-gave-up"])
+        report["send"] = _error_of(lambda: dist.send(torch.full((3,), 1.0), 1))
+        store.set("test-send-over", "1")
+    dist.destroy_process_group()
+    return report
+
+
 def ddp_uneven_inputs(base_steps: int = 5) -> dict:
     """Ranks with different numbers of batches (the last, short epoch of a sharded dataset),
     trained under DDP's ``join()``: ranks that run out shadow the others' all_reduces instead of

@@ -58,6 +58,16 @@ def test_bad_peers_raise_and_a_missing_sender_times_out():
         assert report["negative_view_received"] == [-2.0], report
 
 
+def test_a_recv_that_timed_out_before_the_link_existed_is_not_carried_out_later():
+    reports = harness.values(harness.launch("tests.programs:recv_timed_out_before_the_link", 2, timeout=120))
+    waiting = reports[1]
+    assert waiting["wait"]["type"] == "PeerFailureError", waiting
+    assert waiting["wait_seconds"] < 3, waiting  # get_future's watcher waits for 8 s; this wait, 1 s
+    assert waiting["first_after"] == [0.0, 0.0, 0.0], waiting
+    assert waiting["retry"]["backend_error"] and "cannot be used again" in waiting["retry"]["message"], waiting
+    assert reports[0]["send"]["backend_error"], reports[0]
+
+
 def test_pipeline_schedules_match_gloo():
     """torch.distributed.pipelining's GPipe and 1F1B schedules, one stage per rank on 3 ranks,
     move activations and gradients with send/recv: on smddp they must give gloo's losses and
