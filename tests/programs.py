@@ -6,6 +6,7 @@ import os
 import tempfile
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -308,6 +309,24 @@ def _parity_model() -> torch.nn.Module:
                                torch.nn.ReLU(), torch.nn.Linear(64, 5))
 
 
+def _train_side_by_side(variants: dict, rank: int, steps: int, momentum: float = 0.9,
+                        before_step: Callable[[str, torch.nn.Module], None] | None = None) -> dict[str, list[float]]:
+    """Train each of ``variants`` (name: model) with its own SGD on the same batches; returns
+    each one's losses. ``before_step(name, model)`` runs between backward and step."""
+    optims = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=momentum) for k, m in variants.items()}
+    losses = {k: [] for k in variants}
+    for x, y in _parity_batches(rank, steps):
+        for name, model in variants.items():
+            optims[name].zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            if before_step is not None:
+                before_step(name, model)
+            optims[name].step()
+            losses[name].append(loss.item())
+    return losses
+
+
 def _parity_batches(rank: int, steps: int):
     """``steps`` batches of 16 samples, each rank its own shard of data, labelled by a fixed
     random teacher (a learnable task)."""
@@ -381,15 +400,7 @@ def ddp_powersgd_parity(steps: int = 12) -> dict:
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=2, start_powerSGD_iter=2,
                                             min_compression_rate=0.0, use_error_feedback=True)
         variants[name].register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    optims = {k: torch.optim.SGD(m.parameters(), lr=0.05) for k, m in variants.items()}
-    losses = {k: [] for k in variants}
-    for x, y in _parity_batches(rank, steps):
-        for name, ddp in variants.items():
-            optims[name].zero_grad()
-            loss = torch.nn.functional.cross_entropy(ddp(x), y)
-            loss.backward()
-            optims[name].step()
-            losses[name].append(loss.item())
+    losses = _train_side_by_side(variants, rank, steps, momentum=0.0)
     diff = max(float((p - q).abs().max()) for p, q in zip(variants["smddp"].parameters(),
                                                           variants["gloo"].parameters()))
     dist.destroy_process_group()
@@ -463,18 +474,13 @@ def fsdp_parity(steps: int = 6, param_dtype: str | None = None, divide_factor: f
         for module in variants["smddp"].modules():
             if hasattr(module, "set_gradient_divide_factor"):
                 module.set_gradient_divide_factor(divide_factor)
-    optims = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in variants.items()}
-    losses = {k: [] for k in variants}
-    for x, y in _parity_batches(rank, steps):
-        for name, model in variants.items():
-            optims[name].zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            if divide_factor is not None and name == "gloo":
-                for p in model.parameters():
-                    p.grad.mul_(dist.get_world_size() / divide_factor)
-            optims[name].step()
-            losses[name].append(loss.item())
+
+    def before_step(name: str, model: torch.nn.Module) -> None:
+        if divide_factor is not None and name == "gloo":
+            for p in model.parameters():
+                p.grad.mul_(dist.get_world_size() / divide_factor)
+
+    losses = _train_side_by_side(variants, rank, steps, before_step=before_step)
     full = {k: [p.full_tensor() for p in m.parameters()] for k, m in variants.items()}
     result = {"max_diff": max(float((p - q).abs().max()) for p, q in zip(full["smddp"], full["gloo"])),
               "max_abs": max(float(p.abs().max()) for p in full["gloo"]),
