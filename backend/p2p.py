@@ -72,11 +72,15 @@ class PointToPointWork(dist._Work):
         deadline = time.monotonic() + limit
         ended_now = False
         # another waiter (get_future's watcher, which waits for the group's timeout) may hold the
-        # lock: this wait still ends at its own deadline
+        # lock: this wait still ends at its own deadline, and fails the pair's link as a gloo wait
+        # that times out closes the pair (the call must not be carried out later)
         if not self._lock.acquire(timeout=limit):
-            raise PeerFailureError(
+            error = PeerFailureError(
                 f"{self._describe}: not complete within {limit:.0f} s; the peer is stuck, dead, or never calls the "
                 "matching send/recv with this tag")
+            if self._failed is not None:
+                self._failed(str(error))
+            raise error
         try:
             if not self._finished:
                 self._wait_for_gloo(deadline, limit)

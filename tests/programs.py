@@ -987,6 +987,7 @@ def recv_timed_out_before_the_link() -> dict:
         first = torch.zeros(3)
         work = dist.irecv(first, 0)
         work.get_future()
+        time.sleep(0.2)  # its watcher thread is waiting in the work by now (for the group's 8 s)
         started = time.monotonic()
         report["wait"] = _error_of(lambda: work.wait(timedelta(seconds=1)))
         report["wait_seconds"] = time.monotonic() - started
