@@ -189,12 +189,13 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return _Preparing(self, op)
 
     def _refuse(self, op: str, call: int, exc: Exception) -> NoReturn:
-        """Raise ``exc`` on this rank as a ValueError naming rank and op, after queueing the
-        refusal of ``call`` for its peers (on the communication thread, after earlier calls)."""
+        """Raise ``exc`` on this rank naming rank and op, after queueing the refusal of ``call``
+        for its peers (on the communication thread, after earlier calls): bad arguments as a
+        ValueError, a call on a group that failed as the same ``DistBackendError`` its waits raise."""
         message = f"{where(self.rank(), self.size(), op)} {exc}"
         if not self._closed:
             self._comm.submit(lambda: self._refused(op, call, message), self._work(op, []))
-        raise ValueError(message) from None
+        raise _refusal_type(exc)(message) from None
 
     def _refused(self, op: str, call: int, message: str) -> None:
         """On the communication thread, in call order: tell peers this rank refused ``call``;
@@ -217,7 +218,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 "init_process_group or new_group before calling collectives"
             )
         if self._failure is not None:
-            raise RuntimeError(f"this process group can no longer be used: {self._failure}")
+            # a DistBackendError, as the wait that found the failure raised (torchelastic and
+            # user retry loops catch that type): a call made after that wait ended is refused
+            # here, one made before it raised in the communication thread, and both mean the same
+            raise SMDDPError(f"this process group can no longer be used: {self._failure}")
 
     def _check_tensor(self, op: str, t: object, lazy_views: bool = False) -> None:
         """``lazy_views``: the op takes lazy conjugate / negative views (send and recv resolve them)."""
@@ -555,7 +559,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                                  f"{tuple(tensors[0].shape)}, strides {tensors[0].stride()}: expand()ed?); "
                                  "receive into a tensor of its own (torch.empty(shape)) and expand that")
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise ValueError(f"{where(rank, size, kind)} {exc}") from None
+            raise _refusal_type(exc)(f"{where(rank, size, kind)} {exc}") from None
         if tensors[0].is_cuda:  # through host memory (the route stages the call)
             from .cuda.nccl_path import NeedsStaging
 
@@ -639,6 +643,12 @@ class _Preparing:
             self.group._calls += 1
             self.group._refuse(self.op, self.group._calls, exc)
         return False
+
+
+def _refusal_type(exc: Exception) -> type[Exception]:
+    """What a refused call raises: the group's failure keeps its DistBackendError type; bad
+    arguments (and a destroyed group) are a ValueError."""
+    return type(exc) if isinstance(exc, dist.DistBackendError) else ValueError
 
 
 def _as_list(tensors) -> list[torch.Tensor]:

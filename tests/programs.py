@@ -224,7 +224,10 @@ def peer_dies() -> dict:
     if dist.get_rank() == 1:
         os._exit(3)
     report = _error_of(lambda: dist.all_reduce(torch.ones(1000)))
-    report["next_call"] = _error_of(lambda: dist.all_reduce(torch.ones(10)))["message"]
+    # refused at the call now that the group failed: still the DistBackendError type a retry
+    # loop catches, as for a call made before the failure was found (and for a send, alike)
+    report["next_call"] = _error_of(lambda: dist.all_reduce(torch.ones(10)))
+    report["send_after"] = _error_of(lambda: dist.send(torch.ones(10), 1))
     start = time.monotonic()
     dist.destroy_process_group()
     report["destroy_seconds"] = time.monotonic() - start

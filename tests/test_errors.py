@@ -246,7 +246,8 @@ def test_dead_peer_raises_naming_rank_and_op(transport):
     if transport == "shm":
         assert "rank 1" in error["message"] and "died" in error["message"], error
     assert error["seconds"] < 60, error  # the group timeout is 120 s: detected, not timed out
-    assert "can no longer be used" in error["next_call"], error
+    for refused in (error["next_call"], error["send_after"]):
+        assert refused["backend_error"] and "can no longer be used" in refused["message"], error
     # the refusal of the next call waited for the dead rank's outcome: destroy took 5 s and left
     # the communication thread waiting for the group's timeout
     assert error["destroy_seconds"] < 2 and error["threads_after"] == [], error
