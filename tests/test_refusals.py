@@ -69,10 +69,9 @@ def test_a_long_wait_looks_less_often(monkeypatch):
     looks = []
 
     class CountingStore:  # the store's answers do not matter here, only how often it is asked
-        def check(self, keys):  # a look asks for its call's key and for the latest refused call
-            if not looks or looks[-1] != clock[0]:
-                looks.append(clock[0])
-            return False
+        def add(self, key, amount):  # a look reads the group's count of refusals and failures
+            looks.append(clock[0])
+            return 0
 
     board._store = CountingStore()
     for _ in range(200):  # 10 s of 50 ms polls in one call
@@ -83,3 +82,73 @@ def test_a_long_wait_looks_less_often(monkeypatch):
     late = [t for t in looks if t - 100 > 5]
     assert len(early) >= 100
     assert 4 <= len(late) <= 6 and all(b - a >= 0.99 for a, b in zip(late, late[1:])), late
+
+
+class _CountingStore(dist.Store):
+    """A store that counts the requests made of it: each is a round trip to a TCPStore's host."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner, self.requests = inner, 0
+
+    def _count(self, name, *args):
+        self.requests += 1
+        return getattr(self.inner, name)(*args)
+
+    def set(self, key, value):
+        return self._count("set", key, value)
+
+    def get(self, key):
+        return self._count("get", key)
+
+    def add(self, key, amount):
+        return self._count("add", key, amount)
+
+    def check(self, keys):
+        return self._count("check", keys)
+
+    def wait(self, keys, timeout=None):
+        return self._count("wait", keys, *([timeout] if timeout is not None else []))
+
+
+def _requests_per_look(store: _CountingStore, board: RefusalBoard, call: int, looks: int = 10) -> float:
+    before = store.requests
+    for _ in range(looks):
+        board._looking_at = (0, 0.0, 0.0)  # a new wait each time: every look asks the store
+        assert board.heard(call) is None
+    return (store.requests - before) / looks
+
+
+def test_a_look_is_one_store_request_before_and_after_refusals_that_were_settled():
+    """A wait looks every 50 ms: hundreds of ranks waiting for a slow one each asked two keys a
+    look, and four once any call of the group had been refused (every rank refused call 2 here)."""
+    store = _CountingStore(dist.HashStore())
+    boards = _group(store, 2)
+    assert _requests_per_look(store, boards[0], 2) == 1
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(lambda b: b.post(2, "bad"), boards)) == [None, None]
+    boards[0].heard(3)  # the first look after it reads what changed
+    assert _requests_per_look(store, boards[0], 3) == 1
+    boards[1].announce_failure(3, "an MPI error")  # counted news, which a gloo rank does not hear
+    assert boards[0].heard(4) is None
+    assert _requests_per_look(store, boards[0], 4) == 1
+
+
+def test_a_refusal_of_a_call_whose_part_ended_here_is_heard_in_the_next_call():
+    """A broadcast's root may finish before the refusing rank's refusal: its next wait hears it
+    and records that it left, so the refusing rank's next call does not pair with its operations."""
+    boards = _group(dist.HashStore(), 2)
+    assert boards[0].heard(4) is None  # waiting in call 4 before anything was refused
+    with ThreadPoolExecutor(1) as pool:
+        refusal = pool.submit(boards[1].post, 3, "dtype float8_e4m3fn is not supported")
+        said = _hear(boards[0], 4)
+        assert said.startswith("rank 1 refused call #3, which this rank's part ended without it"), said
+        assert "can no longer be used" in refusal.result(timeout=5)
+
+
+def test_an_mpi_rank_hears_a_failure_announced_in_any_call():
+    boards = _group(dist.HashStore(), 2)
+    boards[0].hears_failures = True
+    assert boards[0].heard(5) is None
+    boards[1].announce_failure(4, "MPI_ERR_TRUNCATE")
+    assert _hear(boards[0], 5) == "rank 1 failed in call #4: MPI_ERR_TRUNCATE"

@@ -31,8 +31,8 @@ from ..errors import PeerFailureError, PeerRefusedError
 log = logging.getLogger("smddp_lite")
 
 POLL_S = 0.05
-"""How often a waiting rank looks for a refusal of its call (each look is two store round trips:
-its call's key and LATEST_REFUSAL_KEY)."""
+"""How often a waiting rank looks for a refusal of its call. A look is one store round trip (it
+reads NEWS_KEY) unless that count moved since the rank last looked."""
 POLL = timedelta(seconds=POLL_S)
 SLOW_POLL_AFTER_S = 5.0
 SLOW_POLL_S = 1.0
@@ -49,6 +49,11 @@ call's wait instead."""
 FAILED_IN_CALL, FAILED_KEY = "failed in call", "failed"
 """What a failure's announcement says after the rank's number, and its key: one for the whole
 group, since the peers may have left the failed call and be waiting in a later one."""
+NEWS_KEY = "news"
+"""A count of the refusals and failures posted in the group, added to after each one's keys are
+written. A waiting rank reads it (``add(NEWS_KEY, 0)``: one round trip, never blocking) and reads
+the other keys only when it moved: 512 ranks waiting for a slow one asked the store's host for
+two to four keys each every 50 ms, once any call of the group had been refused."""
 
 
 class RefusalBoard:
@@ -61,6 +66,8 @@ class RefusalBoard:
         # and gets a part of its own, so an old refusal cannot fail a new call
         self._store = dist.PrefixStore("smddp-refused", store)
         self._looking_at = (0, 0.0, 0.0)  # (call, first look, last look) of the current wait
+        self._news_seen = 0  # NEWS_KEY's count when this rank last found nothing new for it
+        self._settled = 0  # the latest refused call this rank refused too or recorded that it left
         self.hears_failures = False
         """Whether waits also look for a failure announced in any call (announce_failure): a
         third store round trip per look, so only transports whose failures can stay on one rank
@@ -78,6 +85,8 @@ class RefusalBoard:
         self._store.set(key, f"rank {self.rank} refused this call: {reason}")
         self._store.set(f"{key}/{self.rank}", REFUSED)
         self._store.set(LATEST_REFUSAL_KEY, key)
+        self._store.add(NEWS_KEY, 1)  # after the keys it announces (heard() reads them in that order)
+        self._settled = max(self._settled, call)
         if not learn_outcome:
             return None
         outcomes = [f"{key}/{r}" for r in range(self.world_size)]
@@ -104,6 +113,7 @@ class RefusalBoard:
         raising its own error anyway, which a store error must not replace."""
         try:
             self._store.set(FAILED_KEY, f"rank {self.rank} {FAILED_IN_CALL} #{call}: {reason}")
+            self._store.add(NEWS_KEY, 1)
         except (RuntimeError, OSError) as exc:
             log.warning("smddp: rank %d could not tell its peers that call #%d failed (%s); they will wait "
                         "for the process group's timeout", self.rank, call, exc)
@@ -122,25 +132,42 @@ class RefusalBoard:
         elif now - first > SLOW_POLL_AFTER_S and now - last < SLOW_POLL_S:
             return None
         self._looking_at = (call, first, now)
-        key = str(call)
         try:
-            if self._store.check([key]):
-                said = self._store.get(key).decode(errors="replace")
-                self._store.set(f"{key}/{self.rank}", LEFT)
-                return said
-            if self._store.check([LATEST_REFUSAL_KEY]):
-                # an earlier call refused by a peer, which this rank neither refused nor left:
-                # its part ended without that rank, whose next call would pair with it
-                earlier = self._store.get(LATEST_REFUSAL_KEY).decode()
-                if int(earlier) < call and not self._store.check([f"{earlier}/{self.rank}"]):
-                    said = self._store.get(earlier).decode(errors="replace")
-                    self._store.set(f"{earlier}/{self.rank}", LEFT)
-                    return said.replace("refused this call", f"refused call #{earlier}, which this rank's part "
-                                        "ended without it", 1)
-            if self.hears_failures and self._store.check([FAILED_KEY]):
-                return self._store.get(FAILED_KEY).decode(errors="replace")
+            news = self._store.add(NEWS_KEY, 0)
+            if news == self._news_seen:
+                return None
+            # read after the count: every refusal or failure it counts has written its keys
+            said = self._news_for(call)
+            if said is None:
+                self._news_seen = news
+            return said
         except (RuntimeError, OSError):  # DistStoreError and socket errors
             return None
+
+    def _news_for(self, call: int) -> str | None:
+        """What the group's refusal and failure keys say to a rank waiting in call ``call``."""
+        said = self._refusal_for(call) if self._store.check([LATEST_REFUSAL_KEY]) else None
+        if said is None and self.hears_failures and self._store.check([FAILED_KEY]):
+            return self._store.get(FAILED_KEY).decode(errors="replace")
+        return said
+
+    def _refusal_for(self, call: int) -> str | None:
+        latest = int(self._store.get(LATEST_REFUSAL_KEY).decode())
+        key = str(call)
+        # this call refused (a peer that refused it too may since have refused a later one)
+        if latest >= call and self._store.check([key]):
+            said = self._store.get(key).decode(errors="replace")
+            self._store.set(f"{key}/{self.rank}", LEFT)
+            return said
+        if latest < call and latest > self._settled:
+            # an earlier call refused by a peer, which this rank neither refused nor left: its part
+            # ended without that rank, whose next call would pair with it
+            self._settled = latest
+            if not self._store.check([f"{latest}/{self.rank}"]):
+                said = self._store.get(str(latest)).decode(errors="replace")
+                self._store.set(f"{latest}/{self.rank}", LEFT)
+                return said.replace("refused this call", f"refused call #{latest}, which this rank's part "
+                                    "ended without it", 1)
         return None
 
     def raise_if_refused(self, call: int, prefix: str) -> None:
