@@ -76,7 +76,7 @@ class PointToPointWork(dist._Work):
         # that times out closes the pair (the call must not be carried out later)
         if not self._lock.acquire(timeout=limit):
             error = PeerFailureError(
-                f"{self._describe}: not complete within {limit:.0f} s; the peer is stuck, dead, or never calls the "
+                f"{self._describe}: not complete within {limit:g} s; the peer is stuck, dead, or never calls the "
                 "matching send/recv with this tag")
             if self._failed is not None:
                 self._failed(str(error))
@@ -97,7 +97,7 @@ class PointToPointWork(dist._Work):
         """Wait for the call within ``limit`` s; any way it ends, ``_error`` says how."""
         if not self._posted and not self._posting.acquire(timeout=max(0.0, deadline - time.monotonic())):
             self._error = PeerFailureError(
-                f"{self._describe}: the peer did not connect within {limit:.0f} s; it is stuck, dead, or never "
+                f"{self._describe}: the peer did not connect within {limit:g} s; it is stuck, dead, or never "
                 "calls the matching send/recv")
         elif self._error is None:
             try:
@@ -107,7 +107,7 @@ class PointToPointWork(dist._Work):
                 return
             except Exception as exc:
                 self._error = PeerFailureError(
-                    f"{self._describe}: not complete within {limit:.0f} s or failed ({exc}); the peer is stuck, "
+                    f"{self._describe}: not complete within {limit:g} s or failed ({exc}); the peer is stuck, "
                     "dead, or never calls the matching send/recv with this tag")
         if self._failed is not None:  # gloo closes a pair whose wait timed out: later calls must say so
             self._failed(str(self._error))

@@ -140,7 +140,7 @@ class SMDDPWork(dist._Work):
             limit = timeout.total_seconds() or self._timeout_s
             if not self._running.acquire(timeout=limit):
                 raise PeerFailureError(
-                    f"{self._describe} not complete after {limit:.0f} s (the process group timeout); a peer "
+                    f"{self._describe} not complete after {limit:g} s (the process group timeout); a peer "
                     "is stuck, dead or calling a different collective"
                 )
             self._running.release()  # taken only to learn that the call ended: the next waiter's turn

@@ -124,7 +124,7 @@ class Watchdog:
                 work.keep = []  # done: drop the references that kept its tensors alive
                 continue
             if reason is None and now - work.started > work.timeout_s:
-                reason = (f"{work.describe} did not complete within {work.timeout_s:.0f} s (the process group "
+                reason = (f"{work.describe} did not complete within {work.timeout_s:g} s (the process group "
                           "timeout): a peer is stuck, dead or calling a different collective")
             still.append(work)
         if reason is not None:

@@ -106,7 +106,7 @@ class CudaWork(dist._Work):
         self._check_not_after_capture()
         limit = timeout.total_seconds() or self.timeout_s
         if not self._host_done.wait(limit):
-            raise PeerFailureError(f"{self.describe}: the host-side part did not finish within {limit:.0f} s")
+            raise PeerFailureError(f"{self.describe}: the host-side part did not finish within {limit:g} s")
         self._raise_if_failed()
         if self.blocking and not self.captured:
             self.block_host(limit)
@@ -162,7 +162,7 @@ class CudaWork(dist._Work):
             self._raise_if_failed()  # the watchdog may abort while we poll
             if time.monotonic() > deadline:
                 raise PeerFailureError(
-                    f"{self.describe}: not complete after {limit:.0f} s (the process group timeout); a peer "
+                    f"{self.describe}: not complete after {limit:g} s (the process group timeout); a peer "
                     "is stuck, dead or calling a different collective"
                 )
             time.sleep(50e-6)

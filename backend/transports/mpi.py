@@ -117,7 +117,7 @@ class MPITransport(Transport):
             if waited > self.timeout_s:
                 raise PeerFailureError(
                     f"{self.where(op)} MPI collective did not complete within "
-                    f"the process group timeout ({self.timeout_s:.0f} s); a peer may be stuck or "
+                    f"the process group timeout ({self.timeout_s:g} s); a peer may be stuck or "
                     "calling a different collective"
                 )
 

@@ -139,7 +139,7 @@ class ShmSegment:
         if waited_s > self.timeout_s:
             self._fail(
                 f"rank {self._shown(waiting_for)} did not arrive within the process group timeout "
-                f"({self.timeout_s:.0f} s); it may be stuck or calling a different collective"
+                f"({self.timeout_s:g} s); it may be stuck or calling a different collective"
             )
 
     def _shown(self, r: int) -> int:
