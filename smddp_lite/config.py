@@ -169,6 +169,11 @@ class CompileConfig:
     """Clip the global gradient 2-norm to this value; None disables clipping.
     Env: ``SMDDP_MAX_GRAD_NORM``."""
 
+    broadcast_buffers: bool = True
+    """Give every rank rank 0's buffers (BatchNorm's running statistics) before each training
+    forward, as DDP's ``broadcast_buffers=True`` (its default) does; off, each rank keeps its
+    own. Env: ``SMDDP_BROADCAST_BUFFERS``."""
+
     debug: bool = False
     """Log the bucket plan on rank 0 and per-step timings. Env: ``SMDDP_DEBUG``."""
 
@@ -207,6 +212,7 @@ ENV_VARS: dict[str, tuple[tuple[str, str], ...]] = {
     "SMDDP_FIRST_BUCKET_MB": (("compile", "first_bucket_mb"),),
     "SMDDP_WIRE_DTYPE": (("compile", "wire_dtype"),),
     "SMDDP_MAX_GRAD_NORM": (("compile", "max_grad_norm"),),
+    "SMDDP_BROADCAST_BUFFERS": (("compile", "broadcast_buffers"),),
 }
 
 # Variables that AWS's SMDDP reads and this library does not need. Scripts brought over from

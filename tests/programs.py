@@ -628,6 +628,44 @@ def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float 
     return {"max_diff": diff, "max_abs": scale, "losses": losses, "buckets": len(opt_c.buckets)}
 
 
+def compiled_batchnorm_buffers(broadcast_buffers: bool = True) -> dict:
+    """A BatchNorm model trained compiled and under DDP (broadcast_buffers, its default) side by
+    side, each rank on its own batches: every rank must end with rank 0's running statistics,
+    as under DDP, so that evaluation on any rank gives rank 0's answer. Returns this rank's
+    buffers and evaluation output for both."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    smddp_lite.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(13, 17), torch.nn.BatchNorm1d(17), torch.nn.Tanh(),
+                               torch.nn.Linear(17, 5))
+    eager_module, compiled_module = copy.deepcopy(base), copy.deepcopy(base)
+    eager = DDP(eager_module)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
+    compiled, opt_c = smddp_lite.compile(compiled_module, torch.optim.SGD(compiled_module.parameters(), lr=0.05,
+                                                                           momentum=0.9),
+                                         broadcast_buffers=broadcast_buffers)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(6):
+        x, y = torch.randn(16, 13, generator=gen) * (1 + rank), torch.randint(0, 5, (16,), generator=gen)
+        for model, opt in ((eager, opt_e), (compiled, opt_c)):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    x_eval = torch.randn(8, 13, generator=torch.Generator().manual_seed(7))  # one batch on every rank
+    report = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        model.eval()
+        with torch.no_grad():
+            out = model(x_eval)
+        report[name] = {"buffers": [b.double().tolist() for b in model.module.buffers()], "eval": out.tolist()}
+    dist.destroy_process_group()
+    return report
+
+
 def compiled_frozen_start() -> dict:
     """Each rank builds its model from its own seed, the first layer frozen: compile must start
     every rank from rank 0's weights, frozen ones included, as DDP does."""

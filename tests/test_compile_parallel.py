@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from . import harness
 
@@ -29,3 +30,15 @@ def test_compiled_matches_ddp(world, wire, clip):
 def test_compile_starts_every_rank_from_rank_0s_weights_frozen_ones_included():
     results = harness.values(harness.launch("tests.programs:compiled_frozen_start", 2))
     assert results[1] == results[0]
+
+
+def test_every_rank_ends_with_rank_0s_batchnorm_statistics_as_under_ddp():
+    """DDP broadcasts rank 0's buffers before each training forward; compile did so only once, so
+    each rank's running statistics drifted with its own batches and evaluation differed by rank."""
+    ranks = harness.values(harness.launch("tests.programs:compiled_batchnorm_buffers", 2))
+    for rank, r in enumerate(ranks):
+        assert r["compiled"]["buffers"] == r["eager"]["buffers"] == ranks[0]["eager"]["buffers"], rank
+        torch.testing.assert_close(torch.tensor(r["compiled"]["eval"]), torch.tensor(ranks[0]["eager"]["eval"]))
+    # off, as DDP's broadcast_buffers=False: each rank keeps its own statistics
+    own = harness.values(harness.launch("tests.programs:compiled_batchnorm_buffers", 2, broadcast_buffers=False))
+    assert own[0]["compiled"]["buffers"] != own[1]["compiled"]["buffers"]

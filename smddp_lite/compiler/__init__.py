@@ -29,7 +29,7 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
         optimizer: torch.optim.AdamW, Adam or SGD over the model's trainable parameters. Use the
             returned optimizer from now on; the one passed in is left behind.
         **options: ``bucket_cap_mb``, ``first_bucket_mb``, ``wire_dtype``, ``max_grad_norm``,
-            ``debug`` (see ``smddp_lite.config.CompileConfig``); ``SMDDP_*`` variables set defaults.
+            ``broadcast_buffers``, ``debug`` (see ``smddp_lite.config.CompileConfig``); ``SMDDP_*`` variables set defaults.
 
     Returns:
         ``(model, optimizer)`` used like a DDP model and a torch optimizer: forward, backward
@@ -77,7 +77,7 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
         log.info("smddp_lite.compile: %s, %d buckets, world size %d, wire dtype %s, clipping %s\n%s",
                  type(optimizer).__name__, len(buckets), world, config.wire_dtype or "as parameters",
                  config.max_grad_norm, describe(buckets, names))
-    return CompiledModel(model, reducer), compiled_optimizer
+    return CompiledModel(model, reducer, config.broadcast_buffers), compiled_optimizer
 
 
 def _ordered_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.nn.Parameter]]:

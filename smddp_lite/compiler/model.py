@@ -5,22 +5,43 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from .reducer import GradReducer
+
+
+# what DDP broadcasts buffers in: one flat tensor per dtype of up to this many bytes
+_BUFFER_BROADCAST_BYTES = 250 << 20
 
 
 class CompiledModel(torch.nn.Module):
     """Wraps ``module`` (reachable as ``.module``, so ``state_dict`` keys carry the same
     ``module.`` prefix as DDP's) and owns the gradient reducer."""
 
-    def __init__(self, module: torch.nn.Module, reducer: GradReducer) -> None:
+    def __init__(self, module: torch.nn.Module, reducer: GradReducer, broadcast_buffers: bool = True) -> None:
         super().__init__()
         self.module = module
         self.reducer = reducer
+        self.broadcast_buffers = broadcast_buffers and reducer.world_size > 1
+        # DDP's rule: a forward broadcasts rank 0's buffers when the forward before it trained
+        # (grad enabled, outside no_sync), and the first one does; an evaluation loop under
+        # no_grad then runs on the buffers of the last training step, broadcast once
+        self._buffers_need_sync = True
 
     def forward(self, *args, **kwargs):
         self.reducer.forget_unfinished_backward()
+        if self.broadcast_buffers and self._buffers_need_sync:
+            self._sync_buffers()
+        self._buffers_need_sync = torch.is_grad_enabled() and self.reducer.sync
         return self.module(*args, **kwargs)
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers on every rank (running statistics that each rank updated from its own
+        batch), in as few broadcasts as DDP makes."""
+        buffers = [b for b in self.module.buffers() if b.numel()]
+        if buffers:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+                dist._broadcast_coalesced(self.reducer.group, buffers, _BUFFER_BROADCAST_BYTES, 0)
 
     @contextlib.contextmanager
     def no_sync(self):
