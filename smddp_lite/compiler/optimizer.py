@@ -8,6 +8,8 @@ back. Internally each state tensor is a view into a flat per-bucket buffer the k
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..kernels import adam_step, sgd_step
@@ -24,10 +26,7 @@ def optimizer_family(optimizer: torch.optim.Optimizer) -> str:
     family = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}.get(kind)
     if family is None:
         raise ValueError(f"smddp_lite.compile: {kind.__module__}.{kind.__name__} is not supported; supported: {SUPPORTED}")
-    for group in optimizer.param_groups:
-        for flag in ("amsgrad", "maximize", "differentiable"):
-            if group.get(flag):
-                raise ValueError(f"smddp_lite.compile: {kind.__name__}({flag}=True) is not supported; pass {flag}=False")
+    check_supported(optimizer.param_groups, kind.__name__)
     if family == "adam":  # torch 2.x's Adam(decoupled_weight_decay=True) is AdamW; one kernel per optimizer
         decoupled = {bool(g.get("decoupled_weight_decay")) for g in optimizer.param_groups}
         if len(decoupled) > 1:
@@ -37,6 +36,24 @@ def optimizer_family(optimizer: torch.optim.Optimizer) -> str:
     return family
 
 
+def check_supported(param_groups, name: str, family: str | None = None, when: str = "") -> None:
+    """Refuse param groups that ask for what the fused update does not do. Checked at compile,
+    at every step and on load_state_dict: a param_groups edit or a checkpoint of a plain
+    Adam(amsgrad=True) run turned it on after compile, and the update silently went without it.
+    ``family``: the compiled one, whose weight decay form a group may no longer change."""
+    for group in param_groups:
+        for flag in ("amsgrad", "maximize", "differentiable"):
+            if group.get(flag):
+                raise ValueError(f"smddp_lite.compile: {name}({flag}=True) is not supported{when}; "
+                                 f"set {flag}=False")
+        if family in ("adam", "adamw") and "decoupled_weight_decay" in group \
+                and bool(group["decoupled_weight_decay"]) != (family == "adamw"):
+            raise ValueError(f"smddp_lite.compile: decoupled_weight_decay={group['decoupled_weight_decay']} "
+                             f"differs from the compiled step's ({family == 'adamw'}){when}; the fused update "
+                             "was chosen at compile: compile again to change it")
+
+
+_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
 _STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
@@ -45,7 +62,10 @@ class CompiledOptimizer(torch.optim.Optimizer):
 
     def __init__(self, inner: torch.optim.Optimizer, family: str, buckets: list[Bucket], reducer: GradReducer,
                  max_grad_norm: float | None) -> None:
-        super().__init__([dict(g) for g in inner.param_groups], inner.defaults)
+        # the wrapped optimizer's own group dicts, not copies: an LR scheduler made before compile
+        # (on the optimizer passed in) edits them, and must drive these steps
+        super().__init__(inner.param_groups, inner.defaults)
+        self._inner = weakref.ref(inner)
         self.family, self.buckets, self.reducer, self.max_grad_norm = family, buckets, reducer, max_grad_norm
         # GradScaler sets self.grad_scale and self.found_inf before step() and deletes them after
         self.last_grad_norm: torch.Tensor | None = None  # unscaled global norm of the last step
@@ -90,6 +110,11 @@ class CompiledOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_still_frozen()
+        check_supported(self.param_groups, _NAMES[self.family], self.family, " (set after compile)")
+        self.reducer.before_step()
+        inner = self._inner()
+        if inner is not None:  # what a scheduler made on it looks for, to tell step order apart
+            inner._opt_called = True
         scale, found_inf = self._grad_multiplier()
         for b, state, step in zip(self.buckets, self.flat_state, self.steps):
             group = self.param_groups[b.group]
@@ -140,12 +165,11 @@ class CompiledOptimizer(torch.optim.Optimizer):
                      else found_inf.to(device, dtype).reshape(1))
         if self.max_grad_norm is None:
             return inv_scale, found_inf
-        if user_unscaled:
-            # GradScaler passes found_inf without grad_scale after the user's own
-            # scaler.unscale_(optimizer), which divided the buckets in place after backward took
-            # their norms: take the norms again from the unscaled buckets (one more read).
-            for bucket in self.buckets:
-                self.reducer.bucket_norm(bucket)
+        # gradients changed in place since backward took their norms: take those buckets' norms
+        # again (one more read of each). GradScaler passes found_inf without grad_scale after the
+        # user's own scaler.unscale_(optimizer), whose in-place kernel leaves tensors' version
+        # counters as they were; other in-place edits (p.grad.div_(n)) are found by theirs.
+        self.reducer.remeasure_changed_norms(every_bucket=user_unscaled)
         self.last_grad_norm = self.reducer.grad_norm().to(device) * inv_scale
         # torch.nn.utils.clip_grad_norm_'s coefficient, kept on the device
         coef = (self.max_grad_norm / (self.last_grad_norm + 1e-6)).clamp(max=1.0)
@@ -169,7 +193,15 @@ class CompiledOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict) -> None:
+        check_supported(state_dict["param_groups"], _NAMES[self.family], self.family, " (in the checkpoint)")
+        groups = self.param_groups
         super().load_state_dict(state_dict)
+        # torch makes new group dicts: the loaded values go into the ones a scheduler made
+        # before compile edits (they are the wrapped optimizer's)
+        for kept, loaded in zip(groups, self.param_groups):
+            kept.clear()
+            kept.update(loaded)
+        self.param_groups = groups
         self._import(self.state)
 
     def _publish_state(self, bucket: Bucket) -> None:

@@ -32,6 +32,10 @@ class GradReducer:
                      for b in buckets]
         # squared norms in the update's arithmetic dtype (float64 for float64 parameters)
         self.sumsq = [torch.zeros((), dtype=arithmetic_dtype(b.dtype), device=b.device) for b in buckets]
+        # each bucket's gradient version counter when its norm was taken: an in-place edit of a
+        # gradient after backward (p.grad.div_(n)) moves it, and step() measures that bucket again
+        self._measured_at = [-1] * len(buckets)
+        self._backward_since_step = False
         self._count_afresh()
         self._in_backward = False
         self._warned_unused = False
@@ -47,6 +51,7 @@ class GradReducer:
                 # someone set .grad to None (model.zero_grad()) and autograd stored a fresh tensor
                 view.copy_(param.grad)
                 param.grad = view
+            self._backward_since_step = True
             if not self._in_backward:
                 self._in_backward = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -134,6 +139,23 @@ class GradReducer:
     def bucket_norm(self, b: Bucket) -> None:
         """Record the bucket's squared 2-norm (one read of its reduced gradients)."""
         self.sumsq[b.index] = torch.linalg.vector_norm(b.grad_flat, dtype=arithmetic_dtype(b.dtype)).square()
+        self._measured_at[b.index] = b.grad_flat._version
+
+    def remeasure_changed_norms(self, every_bucket: bool = False) -> None:
+        """Take again the norms of buckets whose gradients changed since they were measured (an
+        in-place edit of a ``.grad`` view moves its bucket's version counter), or of every bucket."""
+        for b in self.buckets:
+            if every_bucket or b.grad_flat._version != self._measured_at[b.index]:
+                self.bucket_norm(b)
+
+    def before_step(self) -> None:
+        """Called by step(). With no backward since the last step, ``.grad`` set to None by
+        ``model.zero_grad()`` left the buckets' older gradients in place, which the step would
+        apply again: take those as zero, as after a backward that gave them no gradient."""
+        if not self._backward_since_step:
+            for b in self.buckets:
+                self._zero_missing(b)
+        self._backward_since_step = False
 
     def grad_norm(self) -> torch.Tensor:
         """Global 2-norm of the (averaged, still loss-scaled) gradients, as a device tensor."""
