@@ -10,6 +10,7 @@ as with every torch backend.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import weakref
@@ -89,13 +90,53 @@ def _held_weakly(fn: Callable[[torch.futures.Future], Any]) -> Callable[[torch.f
     return call
 
 
+_ORPHANS: collections.deque = collections.deque(maxlen=64)
+"""Works that Python let go of before anyone waited for them or asked for their future, kept
+for a while: C++ may still hold them (below). A bounded deque, so works nobody ever asks about
+(a fire-and-forget all_reduce, DDP's Join notification when the world size is static) cannot
+pile up; a work that C++ asks for is ended within the same training step."""
+
+
+class KeptWhileCppMayAsk:
+    """For Work handles written in Python. Python code may hand a Work to C++ and drop its own
+    reference: DDP under ``Join(divide_by_initial_world_size=False)`` gives the reducer the
+    forward pass's all_reduce, and backward waits for it and reads its future. Once the Python
+    object is gone, C++ calls reach the C++ base class instead of these methods: its wait()
+    blocked for ever (the job hung), its getFuture() raised "not implemented". Works returned
+    to C++ by a process group method are kept alive by torch itself; this covers the other way.
+
+    A work is therefore kept when Python lets go of it (it revives itself in ``__del__``, which
+    runs once) among the last ``_ORPHANS``, until its future is asked for (the last thing the
+    reducer asks), unless its future was asked for before or Python code waited for it. C++
+    always passes wait() a timeout and Python code rarely does: a wait() without one is Python's.
+    (The reducer waits while the communication thread still holds the work, whose release of it
+    after the call was then the work's end: a wait alone does not tell who waited.)"""
+
+    _asked = False  # Python code waited, or the future was asked for: nobody needs it later
+    _orphaned = False
+
+    def _asked_for(self, future_too: bool = False) -> None:
+        self._asked = True
+        if future_too and self._orphaned:
+            self._orphaned = False
+            for i, kept in enumerate(_ORPHANS):
+                if kept is self:
+                    del _ORPHANS[i]
+                    break
+
+    def __del__(self) -> None:
+        if not self._asked:
+            self._orphaned = True
+            _ORPHANS.append(self)
+
+
 def complete_with_none(completion: torch.futures.Future) -> None:
     """The ``complete`` a Work passes to FutureOnRequest: the completion carries no value, since
     its ``then`` callback (``outcome``) gives the future handed out the outputs or the error."""
     completion.set_result(None)
 
 
-class SMDDPWork(dist._Work):
+class SMDDPWork(KeptWhileCppMayAsk, dist._Work):
     """Handle of one collective: ``wait``, ``is_completed``, ``get_future`` and errors on ``wait``.
 
     Failures are raised from ``wait()`` as ``DistBackendError``, and are errors of the future
@@ -131,7 +172,10 @@ class SMDDPWork(dist._Work):
         self._finished = True
         self._running.release()
 
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is None:  # Python code's wait (C++ passes a timeout; see KeptWhileCppMayAsk)
+            self._asked_for()
+            timeout = timedelta(0)
         if not self._finished and self._runner is not None and self._runner.runs_here():
             # a future's callback, which runs on the communication thread, waits for a call
             # queued behind the one it belongs to (PowerSGD's hook all-reduces P, then Q)
@@ -165,6 +209,7 @@ class SMDDPWork(dist._Work):
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
+        self._asked_for(future_too=True)
         if not self._finished and self._runner is not None and self._runner.runs_here():
             self._runner.run_until(self)  # as in wait(): the future's wait() could not run the queue
         return self._future.get(complete_with_none)

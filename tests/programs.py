@@ -1050,7 +1050,7 @@ def recv_timed_out_before_the_link() -> dict:
     return report
 
 
-def ddp_uneven_inputs(base_steps: int = 5) -> dict:
+def ddp_uneven_inputs(base_steps: int = 5, divide_by_initial_world_size: bool = True) -> dict:
     """Ranks with different numbers of batches (the last, short epoch of a sharded dataset),
     trained under DDP's ``join()``: ranks that run out shadow the others' all_reduces instead of
     leaving them waiting. The same on "smddp" and on "gloo", one after the other in one job;
@@ -1068,7 +1068,7 @@ def ddp_uneven_inputs(base_steps: int = 5) -> dict:
         ddp = DDP(_parity_model(), process_group=group, bucket_cap_mb=0.01)
         optim = torch.optim.SGD(ddp.parameters(), lr=0.05)
         started = time.monotonic()
-        with ddp.join():
+        with ddp.join(divide_by_initial_world_size=divide_by_initial_world_size):
             for x, y in batches:
                 optim.zero_grad()
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()

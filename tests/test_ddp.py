@@ -25,14 +25,18 @@ def test_ddp_matches_gloo(world):
     assert losses[-1] < losses[0], losses
 
 
+@pytest.mark.parametrize("divide", [True, False], ids=["initial-world-size", "ranks-left"])
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
-def test_ddp_join_trains_ranks_with_uneven_inputs_to_the_same_end(transport):
+def test_ddp_join_trains_ranks_with_uneven_inputs_to_the_same_end(transport, divide):
     """SMDDP's users met hangs with uneven last batches. Under DDP's join(), ranks that run out
     of batches shadow the others' all_reduces; each rank has a different number of batches here,
     and every rank must finish, agree, and end where gloo ends (without join() they would wait
-    for each other until the timeout)."""
+    for each other until the timeout). With divide_by_initial_world_size=False, DDP hands the
+    forward pass's all_reduce Work to its C++ reducer and drops it: that hung on shm and failed
+    on gloo ("getFuture not implemented") once Python had freed the Work."""
     results = harness.values(harness.launch("tests.programs:ddp_uneven_inputs", 3, timeout=200,
-                                            env={"SMDDP_TRANSPORT": transport}))
+                                            env={"SMDDP_TRANSPORT": transport},
+                                            divide_by_initial_world_size=divide))
     for rank, result in enumerate(results):
         assert result["ranks_agree"], (rank, result)
         assert result["max_diff"] < 1e-6, (rank, result)  # three addends: gloo's ring may add in another order

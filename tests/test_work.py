@@ -4,6 +4,8 @@ hierarchical transport) and on one that runs them inline (shm)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from . import harness
@@ -36,3 +38,50 @@ def test_tensors_are_freed_when_the_caller_drops_them(name):
     results = harness.values(harness.launch("tests.programs:tensors_freed_after_calls", 2, **LAUNCHES[name]))
     for rank, freed in enumerate(results):
         assert freed == {"all_reduce": True, "all_reduce_future": True, "send_recv": True}, (rank, freed)
+
+
+def _ended_work(tensor):
+    from datetime import timedelta
+
+    from smddp_lite.backend.work import SMDDPWork
+
+    work = SMDDPWork("[smddp rank 0/2 host h] all_reduce:", [tensor], timedelta(seconds=5))
+    work._finish(None)
+    return work
+
+
+def test_works_python_drops_unasked_are_kept_for_cpp_but_not_without_bound():
+    """DDP's Join hands a Work to its C++ reducer and drops it; a Work Python waited for, or
+    whose future was asked for, is freed with its tensors at once. Kept ones are bounded."""
+    import gc
+    import weakref
+
+    import torch
+
+    from smddp_lite.backend import work as work_module
+
+    gc.disable()  # freed by reference counts alone, as in a training loop
+    try:
+        tensor = torch.ones(3)
+        ref, work = weakref.ref(tensor), _ended_work(tensor)
+        work.wait()  # Python code's wait: nothing can ask about it later
+        del tensor, work
+        assert ref() is None
+
+        tensor = torch.ones(3)
+        ref, work = weakref.ref(tensor), _ended_work(tensor)
+        del tensor, work  # unasked: C++ may still hold it, and calls reach its methods
+        kept = [w for w in work_module._ORPHANS if w._outputs[0] is ref()]
+        assert ref() is not None and len(kept) == 1
+        kept[0].wait(timedelta(0))  # as the reducer: wait() with a timeout, then the future
+        assert kept[0].get_future().value()[0] is ref()
+        del kept
+        assert ref() is None  # asked for its future: let go
+
+        first = weakref.ref(_ended_work(torch.ones(3))._outputs[0])
+        for _ in range(work_module._ORPHANS.maxlen):
+            _ended_work(torch.ones(3))
+        assert first() is None and len(work_module._ORPHANS) == work_module._ORPHANS.maxlen
+    finally:
+        gc.enable()
+        work_module._ORPHANS.clear()

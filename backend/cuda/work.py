@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerFailureError, SMDDPError
-from ..work import FutureOnRequest, as_backend_error
+from ..work import FutureOnRequest, KeptWhileCppMayAsk, as_backend_error
 
 
-class CudaWork(dist._Work):
+class CudaWork(KeptWhileCppMayAsk, dist._Work):
     """One collective on ``device``: ended when ``end`` (a CUDA event) has been reached.
 
     ``keep`` holds every tensor the collective touches until the watchdog sees it end, so the
@@ -102,7 +102,10 @@ class CudaWork(dist._Work):
             raise SMDDPError(f"{self.describe} was captured into a CUDA graph, so it runs at each replay: wait "
                              "for it inside the capture, and for a replay by synchronising its stream")
 
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is None:  # Python code's wait (C++ passes a timeout; see KeptWhileCppMayAsk)
+            self._asked_for()
+            timeout = timedelta(0)
         self._check_not_after_capture()
         limit = timeout.total_seconds() or self.timeout_s
         if not self._host_done.wait(limit):
@@ -136,6 +139,7 @@ class CudaWork(dist._Work):
         """A CUDA-aware future of the outputs: completed on a stream that waits for the
         collective's end event, so ``then`` callbacks and ``wait()`` are ordered after it on
         the device (ProcessGroupNCCL completes its futures the same way)."""
+        self._asked_for(future_too=True)
         return self._future.get(self._complete_future)
 
     def _complete_future(self, future: torch.futures.Future) -> None:
