@@ -123,6 +123,22 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def name(self) -> str:
         return "smddp"
 
+    # torch's Python code asks a group which devices it serves (``_device_types``: object
+    # collectives, loading a full state dict with broadcast_from_rank0, DCP's async_save, FSDP's
+    # optimizer state dict) and for the backend of a device. A ProcessGroup learns both only
+    # from backends registered with it, and this one has none: it answered no devices, and those
+    # failed ("Default device not found", "A CPU backend must be enabled for async save"). It
+    # serves CPU and CUDA tensors itself, as gloo's group reports both.
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu"), torch.device("cuda")]
+
+    def _get_backend(self, device: torch.device) -> "ProcessGroupSMDDP":
+        return self
+
+    def supports_tensor_alloc(self, device: torch.device) -> bool:
+        return False  # FSDP2 then allocates its communication buffers itself
+
     # c10d names every group it makes (_set_group_name, _set_group_desc) and DeviceMesh, FSDP2 and
     # the functional collectives read the names back. A ProcessGroup keeps them on the backends
     # registered with it, and this one, a ProcessGroup subclass, has none: without these, the

@@ -454,6 +454,42 @@ def tensors_freed_after_calls() -> dict:
     return freed
 
 
+def checkpoint_paths(directory: str) -> dict:
+    """torch's checkpoint code asks the group which devices it serves: loading a full state dict
+    into an FSDP2 model with broadcast_from_rank0 (rank 0 alone holds the checkpoint), DCP's
+    async_save, and the default device older code asks for. Each failed on "smddp" (the group
+    reported no devices). Returns what each gave."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    saved = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).state_dict()
+    expected = {k: v.clone() for k, v in saved.items()}  # set_model_state_dict changes what it is given
+    torch.manual_seed(1 + rank)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    fully_shard(model)
+    set_model_state_dict(model, saved if rank == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    report = {"loaded_rank_0s": all(torch.equal(p.full_tensor(), expected[k]) for k, p in model.state_dict().items())}
+    torch.manual_seed(2)  # a replicated state dict: the same on every rank (DCP writes one copy)
+    plain = torch.nn.Linear(4, 4)
+    dcp.async_save({"m": plain.state_dict()}, checkpoint_id=directory).result()
+    restored = {"m": torch.nn.Linear(4, 4).state_dict()}
+    dcp.load(restored, checkpoint_id=directory)
+    report["async_saved"] = all(torch.equal(restored["m"][k], v) for k, v in plain.state_dict().items())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "will be deprecated"; FSDP1's optimizer state dict asks it
+        report["default_device"] = str(dist.distributed_c10d._get_pg_default_device())
+    report["object_device"] = dist.distributed_c10d._get_object_coll_device()
+    dist.destroy_process_group()
+    return report
+
+
 def fsdp_parity(steps: int = 6, param_dtype: str | None = None, divide_factor: float | None = None) -> dict:
     """The same model sharded with FSDP2 (fully_shard) on "smddp" and on "gloo", side by side in
     one job: FSDP gathers parameters with all_gather_into_tensor and reduces gradients with

@@ -67,3 +67,13 @@ def test_functional_collectives_find_the_group_by_its_name():
         assert result["all_gather"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
         assert result["reduce_scatter"] == [2.0 * rank * world, (2.0 * rank + 1) * world]
         assert result["group_name"] == results[0]["group_name"] != ""
+
+
+def test_checkpoint_code_that_asks_the_group_for_its_devices_works(tmp_path):
+    """Loading a full checkpoint into FSDP2 from rank 0 (broadcast_from_rank0), DCP's async_save,
+    and FSDP1's optimizer state dict ask the group which devices it serves; "smddp" answered
+    none, and each failed."""
+    ranks = harness.values(harness.launch("tests.programs:checkpoint_paths", 2, directory=str(tmp_path / "ckpt")))
+    for rank, report in enumerate(ranks):
+        assert report == {"loaded_rank_0s": True, "async_saved": True, "default_device": "cpu",
+                          "object_device": "cpu"}, (rank, report)
