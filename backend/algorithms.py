@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import PeerRefusedError, RecoverableMismatchError, where
-from .ops import LOW_PRECISION, RedOp, as_sum, dtype_name, dtype_of_code, moved_as_bytes, signature_code
+from .ops import LOW_PRECISION, RedOp, as_sum, dtype_name, dtype_of_code, flat_view, moved_as_bytes, signature_code
 from .scratch import DEFAULT_MAX_BYTES, Scratch
 from .transports.base import Transport, overlap
 
@@ -41,7 +41,7 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     """A 1-D contiguous view of ``t`` and a function that writes results back into ``t``."""
     if t.is_contiguous():
-        return t.view(-1), lambda: None
+        return flat_view(t), lambda: None
     flat = t.contiguous().view(-1)
     return flat, lambda: t.copy_(flat.view_as(t))
 

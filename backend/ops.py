@@ -82,6 +82,16 @@ def supported_dtype_names() -> str:
     return ", ".join(dtype_name(d) for d in DTYPES)
 
 
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of contiguous ``t`` with stride 1. ``view(-1)`` keeps the stride of a 0- or
+    1-element tensor (``x[:, 1]`` of a 1 x 3 tensor has stride 3), which is contiguous all the
+    same, and viewing that as bytes fails ("stride(-1) must be 1")."""
+    flat = t.view(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat
+
+
 def moved_as_bytes(dtype: torch.dtype) -> bool:
     """Whether a data-moving op carries ``dtype`` as its raw bytes: bool (no transport has a bool
     type) and every dtype that is not reduced (float8 for FSDP's float8 all_gather, int16,

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import PeerFailureError, SMDDPError
-from .ops import moved_as_bytes
+from .ops import flat_view, moved_as_bytes
 from .work import FutureOnRequest, complete_with_none
 
 
@@ -262,7 +262,7 @@ class PeerLinks:
         work = PointToPointWork(describe, kind, tensor, self._timeout, after, link.fail)
         tensor_on_wire = tensor_on_wire.detach()
         if moved_as_bytes(tensor_on_wire.dtype):  # gloo's send and recv know only the dtypes it reduces
-            tensor_on_wire = tensor_on_wire.view(-1).view(torch.uint8)
+            tensor_on_wire = flat_view(tensor_on_wire).view(torch.uint8)
         link.call(kind, tensor_on_wire, tag, work)
         return work
 

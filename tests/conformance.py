@@ -118,6 +118,21 @@ def case_reduce(shape, dtype, redop, rank, world, root):
     return _mismatch(t, seeded(shape, rank, dtype, redop)) if dist.get_backend() == "smddp" else None
 
 
+def case_one_element_column(dtype, rank, world, op):
+    """A 1-element column of a 1 x 3 tensor: shape (1,), stride 3, contiguous to torch. Carried
+    as bytes (int16, float8), viewing it so failed ("stride(-1) must be 1")."""
+    def column(r):
+        return seeded((1, 3), r, dtype)[:, 1]
+
+    mine = on_device(seeded((1, 3), rank, dtype))[:, 1]
+    if op == "broadcast":
+        dist.broadcast(mine, src=0)
+        return _mismatch(mine, column(0))
+    out = empty((world,), dtype)
+    dist.all_gather_into_tensor(out, mine)
+    return _mismatch(out, torch.cat([column(r) for r in range(world)]))
+
+
 def case_all_gather(shape, dtype, rank, world, form):
     mine = on_device(seeded(shape, rank, dtype))
     want = torch.cat([seeded(shape, r, dtype) for r in range(world)])
@@ -474,6 +489,10 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
         for dtype in (torch.float32, torch.float8_e4m3fn):
             yield "all_gather", f"uneven-{layout}-{str(dtype).replace('torch.', '')}-3000", case_all_gather_uneven, dict(
                 dtype=dtype, scale=3000, layout=layout)
+    for dtype in (torch.int16, torch.float8_e4m3fn, torch.float32):
+        for op in ("broadcast", "all_gather"):
+            yield op, f"one_element_column-{str(dtype).replace('torch.', '')}", case_one_element_column, dict(
+                dtype=dtype, op=op)
     yield "barrier", "three", case_barrier, {}
     yield "subgroup", "odd_even", case_subgroup, {}
 

@@ -1018,6 +1018,13 @@ def point_to_point() -> dict:
             value = fut.wait()[0]
             check("non_contiguous", target, torch.arange(12.0).view(3, 4))
             check("future", value, torch.arange(12.0).view(3, 4))
+        # a 1-element column (stride 3, contiguous to torch) of a dtype sent as bytes
+        if rank == 0:
+            dist.send(torch.tensor([[1, 7, 2]], dtype=torch.int16)[:, 1], dst=1, tag=5)
+        else:
+            column = torch.zeros(1, 3, dtype=torch.int16)[:, 1]
+            dist.recv(column, 0, tag=5)
+            check("one_element_column", column, torch.tensor([7], dtype=torch.int16))
     # collectives go on between them, on every transport
     t = torch.ones(3)
     dist.all_reduce(t)
