@@ -522,3 +522,31 @@ def test_options_the_fused_step_lacks_are_refused_when_set_after_compile(how):
     opt.param_groups[0]["decoupled_weight_decay"] = True
     with pytest.raises(ValueError, match="decoupled_weight_decay=True differs from the compiled step's"):
         opt.step()
+
+
+@pytest.mark.parametrize("how", ["compiled_optimizer", "torch_optimizer_with_its_state"])
+def test_compiling_again_after_unfreezing_keeps_the_optimizer_state(how):
+    """The README says to compile again after changing requires_grad: the compiled optimizer was
+    refused there, and a torch one loaded with its state failed ("different step counts"), since
+    the unfrozen parameters have none. They now get buckets of their own; the earlier compile's
+    gradient hooks are removed (each bucket would be all-reduced twice)."""
+    model = _model()
+    model[0].requires_grad_(False)
+    eager = copy.deepcopy(model)
+    compiled, opt = smddp_lite.compile(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05))
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=3e-3, weight_decay=0.05)
+    batches = _batches(8)
+    _train(compiled, opt, batches[:4])
+    _train(eager, opt_e, batches[:4])
+    model[0].requires_grad_(True)
+    eager[0].requires_grad_(True)
+    if how == "torch_optimizer_with_its_state":
+        again = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+        again.load_state_dict(opt.state_dict())
+        opt = again
+    compiled, opt = smddp_lite.compile(model, opt)
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in model.parameters())
+    _train(compiled, opt, batches[4:])
+    _train(eager, opt_e, batches[4:])
+    for a, b in zip(compiled.module.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)

@@ -7,6 +7,7 @@ when collectives launch and complete; ``kernels``: the arithmetic of one update)
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -14,10 +15,13 @@ import torch.distributed as dist
 from ..config import compile_config
 from .buckets import describe, materialize, plan_buckets
 from .model import CompiledModel
-from .optimizer import CompiledOptimizer, optimizer_family
+from .optimizer import CompiledOptimizer, optimizer_family, step_counts
 from .reducer import GradReducer
 
 log = logging.getLogger("smddp_lite")
+# the reducer of each module compiled so far: compiling it again (after unfreezing parameters)
+# detaches the old one's gradient hooks
+_REDUCERS: "weakref.WeakKeyDictionary[torch.nn.Module, GradReducer]" = weakref.WeakKeyDictionary()
 __all__ = ["compile", "CompiledModel", "CompiledOptimizer"]
 
 
@@ -26,8 +30,10 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
 
     Args:
         model: the bare module (not DDP-wrapped), its parameters on one device.
-        optimizer: torch.optim.AdamW, Adam or SGD over the model's trainable parameters. Use the
-            returned optimizer from now on; the one passed in is left behind.
+        optimizer: torch.optim.AdamW, Adam or SGD over the model's trainable parameters, or the
+            optimizer an earlier compile returned (to compile again after unfreezing parameters:
+            the state carries over). Use the returned optimizer from now on; the one passed in
+            is left behind.
         **options: ``bucket_cap_mb``, ``first_bucket_mb``, ``wire_dtype``, ``max_grad_norm``,
             ``broadcast_buffers``, ``debug`` (see ``smddp_lite.config.CompileConfig``); ``SMDDP_*`` variables set defaults.
 
@@ -58,7 +64,13 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
     group = dist.group.WORLD if dist.is_initialized() else None
     world = dist.get_world_size() if group is not None else 1
     mib = 2**20
-    buckets = plan_buckets(ordered, int(config.bucket_cap_mb * mib), int(config.first_bucket_mb * mib))
+    # parameters that stepped apart (some unfrozen after the others) go to separate buckets,
+    # each with its own step count, as torch.optim keeps one per parameter
+    buckets = plan_buckets(ordered, int(config.bucket_cap_mb * mib), int(config.first_bucket_mb * mib),
+                           step_counts(optimizer, family))
+    previous = _REDUCERS.pop(model, None)
+    if previous is not None:
+        previous.detach()
     materialize(buckets)
     if world > 1:  # start every rank from rank 0's weights, as DDP does, frozen ones included
         for b in buckets:
@@ -71,6 +83,7 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
             dist.broadcast(buf, src=0)
     wire = getattr(torch, config.wire_dtype) if config.wire_dtype else None
     reducer = GradReducer(buckets, group, world, wire, want_norm=config.max_grad_norm is not None)
+    _REDUCERS[model] = reducer
     compiled_optimizer = CompiledOptimizer(optimizer, family, buckets, reducer, config.max_grad_norm)
     if config.debug and (group is None or dist.get_rank() == 0):
         names = {id(p): n for n, p in model.named_parameters()}

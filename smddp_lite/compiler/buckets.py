@@ -39,12 +39,16 @@ class Bucket:
         return flat[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
 
-def plan_buckets(ordered: list[tuple[int, torch.nn.Parameter]], cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
-    """Group ``(param group index, parameter)`` pairs, given in gradient-ready order, into buckets."""
+def plan_buckets(ordered: list[tuple[int, torch.nn.Parameter]], cap_bytes: int, first_cap_bytes: int,
+                 steps: dict[int, float] | None = None) -> list[Bucket]:
+    """Group ``(param group index, parameter)`` pairs, given in gradient-ready order, into buckets.
+    ``steps``: each parameter's optimizer step count (by ``id``), where they differ: the fused
+    update keeps one per bucket, so parameters that stepped apart (some unfrozen later) do not
+    share one."""
     buckets: list[Bucket] = []
     open_by_key: dict[tuple, Bucket] = {}
     for group, p in ordered:
-        key = (group, p.device, p.dtype)
+        key = (group, p.device, p.dtype, (steps or {}).get(id(p), 0.0))
         bucket = open_by_key.get(key)
         if bucket is None:
             bucket = Bucket(len(buckets), group, [], [], 0, p.dtype, p.device)

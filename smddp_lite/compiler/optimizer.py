@@ -22,6 +22,8 @@ SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
 
 def optimizer_family(optimizer: torch.optim.Optimizer) -> str:
     """"adamw", "adam" or "sgd", or a ValueError that names what is supported."""
+    if isinstance(optimizer, CompiledOptimizer):  # compiled again (after unfreezing parameters)
+        return optimizer.family
     kind = type(optimizer)
     family = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}.get(kind)
     if family is None:
@@ -54,6 +56,18 @@ def check_supported(param_groups, name: str, family: str | None = None, when: st
 
 
 _NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+
+
+def step_counts(optimizer: torch.optim.Optimizer, family: str) -> dict[int, float]:
+    """Each parameter's step count (by ``id``) in torch.optim's state: Adam's "step", and for
+    SGD whether its momentum buffer exists (its first step with momentum starts it)."""
+    counts = {}
+    for p, entry in optimizer.state.items():
+        if family == "sgd":
+            counts[id(p)] = 1.0 if entry.get("momentum_buffer") is not None else 0.0
+        elif "step" in entry:
+            counts[id(p)] = float(entry["step"])
+    return counts
 _STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 

@@ -39,9 +39,15 @@ class GradReducer:
         self._count_afresh()
         self._in_backward = False
         self._warned_unused = False
-        for b in buckets:
-            for i, p in enumerate(b.params):
-                p.register_post_accumulate_grad_hook(self._hook(b, i))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(b, i))
+                       for b in buckets for i, p in enumerate(b.params)]
+
+    def detach(self) -> None:
+        """Stop reducing: the model was compiled again, and the new reducer owns its gradients
+        (two would all-reduce every bucket twice, and point ``.grad`` at the old buckets)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _hook(self, bucket: Bucket, i: int):
         view = bucket.view(bucket.grad_flat, i)
