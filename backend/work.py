@@ -126,8 +126,11 @@ class KeptWhileCppMayAsk:
 
     def __del__(self) -> None:
         if not self._asked:
-            self._orphaned = True
-            _ORPHANS.append(self)
+            try:
+                _ORPHANS.append(self)
+                self._orphaned = True
+            except (AttributeError, NameError, TypeError):  # at interpreter shutdown: nobody will ask
+                pass
 
 
 def complete_with_none(completion: torch.futures.Future) -> None:
