@@ -77,6 +77,11 @@ def _compare(compiled, eager, losses_c, losses_e, tol=dict(rtol=2e-5, atol=2e-6)
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
 
 
+def _assert_same_parameters(compiled, eager):
+    for a, b in zip(compiled.module.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("clip", [None, 0.3])
 def test_matches_torch_optim_with_schedule_groups_and_clipping(name, clip):
@@ -334,8 +339,7 @@ def test_frozen_parameters_may_be_in_the_optimizer_and_unfreezing_them_is_refuse
             torch.nn.functional.cross_entropy(net(x), y).backward()
             o.step()
             o.zero_grad()
-    for a, b in zip(compiled.module.parameters(), eager.parameters()):
-        torch.testing.assert_close(a, b)
+    _assert_same_parameters(compiled, eager)
     model[0].requires_grad_(True)
     x, y = _batches(1)[0]
     torch.nn.functional.cross_entropy(compiled(x), y).backward()
@@ -416,8 +420,7 @@ def test_a_backward_that_raised_part_way_does_not_break_later_steps():
         opt.step()
         opt.zero_grad()
         torch.testing.assert_close(opt.last_grad_norm.reshape(()), norm, rtol=1e-5, atol=1e-7)
-    for a, b in zip(compiled.module.parameters(), eager.parameters()):
-        torch.testing.assert_close(a, b)
+    _assert_same_parameters(compiled, eager)
 
 
 def test_sgd_momentum_turned_on_mid_run_starts_its_buffer_at_the_gradient():
@@ -437,8 +440,7 @@ def test_sgd_momentum_turned_on_mid_run_starts_its_buffer_at_the_gradient():
             o.zero_grad()
         if i == 1:  # no step with momentum yet: no state, as torch keeps none
             assert opt.state_dict()["state"] == {} == opt_e.state_dict()["state"]
-    for a, b in zip(compiled.module.parameters(), eager.parameters()):
-        torch.testing.assert_close(a, b)
+    _assert_same_parameters(compiled, eager)
     ours, torchs = opt.state_dict()["state"], opt_e.state_dict()["state"]
     assert sorted(ours) == sorted(torchs)
     for key in torchs:
@@ -463,8 +465,7 @@ def test_a_scheduler_made_before_compile_drives_the_compiled_steps():
     _train(compiled, opt, batches[4:], scheduler=scheduler)
     _train(eager, opt_e, batches[4:], scheduler=scheduler_e)
     assert opt.param_groups[0]["lr"] == pytest.approx(opt_e.param_groups[0]["lr"]) == pytest.approx(1e-5)
-    for a, b in zip(compiled.module.parameters(), eager.parameters()):
-        torch.testing.assert_close(a, b)
+    _assert_same_parameters(compiled, eager)
 
 
 def test_clipping_measures_gradients_changed_in_place_after_backward():
@@ -484,8 +485,7 @@ def test_clipping_measures_gradients_changed_in_place_after_backward():
             o.step()
             o.zero_grad()
         torch.testing.assert_close(opt.last_grad_norm.reshape(()), norm, rtol=1e-5, atol=1e-7)
-    for a, b in zip(compiled.module.parameters(), eager.parameters()):
-        torch.testing.assert_close(a, b)
+    _assert_same_parameters(compiled, eager)
 
 
 def test_a_step_with_no_backward_after_model_zero_grad_applies_no_old_gradient():
@@ -548,5 +548,4 @@ def test_compiling_again_after_unfreezing_keeps_the_optimizer_state(how):
     assert all(len(p._post_accumulate_grad_hooks) == 1 for p in model.parameters())
     _train(compiled, opt, batches[4:])
     _train(eager, opt_e, batches[4:])
-    for a, b in zip(compiled.module.parameters(), eager.parameters()):
-        torch.testing.assert_close(a, b)
+    _assert_same_parameters(compiled, eager)
