@@ -127,8 +127,10 @@ def launch_mpi(target: str, world_size: int, *, env: dict[str, str] | None = Non
 def _run_mpi(target: str, world_size: int, env: dict[str, str] | None, timeout: float, prefix: list[str] | None,
              kwargs: dict[str, Any]) -> list[RankResult]:
     with tempfile.TemporaryDirectory(prefix="smddp-mpi-") as tmp:
+        # -print-all-exitcodes: every rank's wait status in the output, so a failure names the rank
+        # that died first (hydra reports one, often a rank it killed in the clean-up)
         proc = subprocess.Popen(
-            [*(prefix or []), mpiexec(), "-n", str(world_size), sys.executable, str(WORKER), target,
+            [*(prefix or []), mpiexec(), "-print-all-exitcodes", "-n", str(world_size), sys.executable, str(WORKER), target,
              json.dumps(kwargs), tmp],
             env=_base_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         )
