@@ -115,6 +115,13 @@ class KeptWhileCppMayAsk:
     _asked = False  # Python code waited, or the future was asked for: nobody needs it later
     _orphaned = False
 
+    def _timeout_of(self, timeout: timedelta | None) -> timedelta:
+        """wait()'s timeout (zero: the group's), noting a wait without one as Python code's."""
+        if timeout is None:
+            self._asked_for()
+            return timedelta(0)
+        return timeout
+
     def _asked_for(self, future_too: bool = False) -> None:
         self._asked = True
         if future_too and self._orphaned:
@@ -176,9 +183,7 @@ class SMDDPWork(KeptWhileCppMayAsk, dist._Work):
         self._running.release()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if timeout is None:  # Python code's wait (C++ passes a timeout; see KeptWhileCppMayAsk)
-            self._asked_for()
-            timeout = timedelta(0)
+        timeout = self._timeout_of(timeout)  # None: Python code's wait (see KeptWhileCppMayAsk)
         if not self._finished and self._runner is not None and self._runner.runs_here():
             # a future's callback, which runs on the communication thread, waits for a call
             # queued behind the one it belongs to (PowerSGD's hook all-reduces P, then Q)

@@ -64,7 +64,8 @@ def _mpi_rendezvous(timeout: timedelta | None):
         MPI = import_mpi()
     except ImportError:
         raise ImportError(
-            "smddp-lite: launched by mpiexec but mpi4py is missing; pip install 'smddp-lite[mpi]'"
+            "smddp-lite: launched by mpiexec but mpi4py is missing; pip install mpi4py mpich "
+            "(smddp-lite's [mpi] extra: pip install -e '.[mpi]' in its checkout)"
         ) from None
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()

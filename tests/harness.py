@@ -107,7 +107,7 @@ def skip_without_mpiexec() -> None:
     if mpiexec() is None:
         import pytest
 
-        pytest.skip("mpi4py or mpiexec not installed (pip install 'smddp-lite[mpi]')")
+        pytest.skip("mpi4py or mpiexec not installed (from the checkout: pip install -e '.[mpi]')")
 
 
 def launch_mpi(target: str, world_size: int, *, env: dict[str, str] | None = None, timeout: float = 180,

@@ -28,7 +28,7 @@ def test_topology_groups_ranks_by_host_in_rank_order():
 @pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
 def test_quick_scaling_run_on_two_simulated_hosts(launcher):
     if launcher == "mpiexec" and shutil.which("mpiexec") is None:
-        pytest.skip("mpiexec not installed (pip install 'smddp-lite[mpi]')")
+        pytest.skip("mpiexec not installed (from the checkout: pip install -e '.[mpi]')")
     out = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--quick", "--launcher", launcher], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -103,9 +103,7 @@ class CudaWork(KeptWhileCppMayAsk, dist._Work):
                              "for it inside the capture, and for a replay by synchronising its stream")
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if timeout is None:  # Python code's wait (C++ passes a timeout; see KeptWhileCppMayAsk)
-            self._asked_for()
-            timeout = timedelta(0)
+        timeout = self._timeout_of(timeout)  # None: Python code's wait (see KeptWhileCppMayAsk)
         self._check_not_after_capture()
         limit = timeout.total_seconds() or self.timeout_s
         if not self._host_done.wait(limit):

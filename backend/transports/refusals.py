@@ -69,9 +69,9 @@ class RefusalBoard:
         self._news_seen = 0  # NEWS_KEY's count when this rank last found nothing new for it
         self._settled = 0  # the latest refused call this rank refused too or recorded that it left
         self.hears_failures = False
-        """Whether waits also look for a failure announced in any call (announce_failure): a
-        third store round trip per look, so only transports whose failures can stay on one rank
-        (MPI) turn it on."""
+        """Whether waits also look for a failure announced in any call (announce_failure): one
+        more store round trip whenever NEWS_KEY moved, so only transports whose failures can stay
+        on one rank (MPI) turn it on."""
 
     # the refusing rank ----------------------------------------------------------------------------
     def post(self, call: int, reason: str, learn_outcome: bool = True) -> str | None:

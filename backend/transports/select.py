@@ -128,7 +128,7 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
         if not _has_mpi4py():
             raise ImportError(
                 f"{where(rank, world_size, 'init')} the MPI transport needs mpi4py: "
-                "pip install 'smddp-lite[mpi]' (or mpi4py mpich)"
+                "pip install mpi4py mpich (smddp-lite's [mpi] extra: pip install -e '.[mpi]' in its checkout)"
             )
         from .mpi import MPITransport
 

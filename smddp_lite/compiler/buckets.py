@@ -45,10 +45,11 @@ def plan_buckets(ordered: list[tuple[int, torch.nn.Parameter]], cap_bytes: int, 
     ``steps``: each parameter's optimizer step count (by ``id``), where they differ: the fused
     update keeps one per bucket, so parameters that stepped apart (some unfrozen later) do not
     share one."""
+    steps = steps or {}
     buckets: list[Bucket] = []
     open_by_key: dict[tuple, Bucket] = {}
     for group, p in ordered:
-        key = (group, p.device, p.dtype, (steps or {}).get(id(p), 0.0))
+        key = (group, p.device, p.dtype, steps.get(id(p), 0.0))
         bucket = open_by_key.get(key)
         if bucket is None:
             bucket = Bucket(len(buckets), group, [], [], 0, p.dtype, p.device)
