@@ -4,10 +4,12 @@ Writes ``RESULT_DIR/rank<R>.json`` with the function's return value or the excep
 then exits without running interpreter teardown, so a broken process group cannot hang the exit.
 """
 
+import ctypes
 import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -19,6 +21,30 @@ def _rank() -> int:
         if var in os.environ:
             return int(os.environ[var])
     return 0
+
+
+def _exit_after_mpi(rank: int) -> None:
+    """Finalize MPI, then leave through C's ``exit``: it runs the C exit handlers, and MPICH tells
+    its launcher there (not in MPI_Finalize) that this rank finished. A rank that leaves without
+    saying so (``os._exit``) looks crashed to hydra, which SIGKILLs every rank still leaving: CI saw
+    exit codes 0,9,0,9 after every rank had written its result. Python's own teardown is still
+    skipped. Returns (for ``os._exit``) where MPI never started or cannot be finalized.
+
+    For the test of this exit path, TEST_LINGER_RANK makes one rank leave TEST_LINGER_S late, after
+    finalizing, and then create the file TEST_LINGER_MARK: proof that it was not killed."""
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized():
+        return
+    if not MPI.Is_finalized():
+        try:
+            MPI.Finalize()
+        except MPI.Exception:
+            return
+    if os.environ.get("TEST_LINGER_RANK") == str(rank):
+        time.sleep(float(os.environ["TEST_LINGER_S"]))
+        Path(os.environ["TEST_LINGER_MARK"]).touch()
+    ctypes.CDLL(None).exit(0)
 
 
 def main() -> None:
@@ -34,10 +60,7 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if "mpi4py.MPI" in sys.modules:
-        from mpi4py import MPI
-
-        if MPI.Is_initialized() and not MPI.Is_finalized():
-            MPI.Finalize()
+        _exit_after_mpi(rank)
     os._exit(0)
 
 
