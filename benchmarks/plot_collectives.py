@@ -2,7 +2,7 @@
 
     python benchmarks/plot_collectives.py RESULT.json [RESULT2.json ...] -o busbw.png
 
-Needs matplotlib (pip install 'smddp-lite[bench]').
+Needs matplotlib (pip install matplotlib, or pip install -e '.[bench]' in the checkout).
 """
 
 from __future__ import annotations

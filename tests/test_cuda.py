@@ -33,7 +33,7 @@ needs_cupy = pytest.mark.skipif(not HAS_CUPY, reason="needs cupy with NCCL: pip 
 
 @pytest.mark.skipif(HAS_CUPY, reason="cupy is installed here: the missing-cupy path cannot be shown")
 def test_without_cupy_cuda_tensors_are_staged_with_advice():
-    with pytest.warns(UserWarning, match=r"host memory.*pip install 'smddp-lite\[cuda12\]'"):
+    with pytest.warns(UserWarning, match=r"host memory.*pip install cupy-cuda12x nvidia-nccl-cu12"):
         paths = CudaPaths(None, 0, 1, timedelta(seconds=5), backend_config({}), lambda reason: None)
     assert paths.nccl is None and "cupy is not installed" in paths.reason
 

@@ -41,8 +41,9 @@ def load_nccl():
     try:
         from cupy.cuda import nccl
     except ImportError as exc:
-        raise ImportError(f"cupy is not installed ({exc}); pip install 'smddp-lite[cuda12]' "
-                          "(or [cuda13], matching your CUDA)") from exc
+        raise ImportError(f"cupy is not installed ({exc}); pip install cupy-cuda12x nvidia-nccl-cu12 (or the "
+                          "cuda13 pair, matching your CUDA; smddp-lite's [cuda12] extra: pip install -e "
+                          "'.[cuda12]' in its checkout)") from exc
     if not getattr(nccl, "available", False):
         raise ImportError("cupy is installed but cannot load libnccl; pip install nvidia-nccl-cu12 "
                           "(or cu13), or put NCCL's library on LD_LIBRARY_PATH")

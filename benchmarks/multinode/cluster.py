@@ -240,7 +240,8 @@ class SimCluster:
         each host through enter-host.sh where it would use ssh."""
         mpiexec = shutil.which("mpiexec")
         if mpiexec is None:
-            raise FileNotFoundError("mpiexec not found: pip install mpich (or smddp-lite[mpi])")
+            raise FileNotFoundError("mpiexec not found: pip install mpi4py mpich "
+                                    "(or pip install -e '.[mpi]' in the checkout)")
         cmd = [mpiexec, "-hosts", ",".join(self.names), "-ppn", str(per_host), "-n", str(per_host * self.hosts),
                "-launcher", "ssh", "-launcher-exec", ENTER_HOST, *argv]
         return self.spawn(0, cmd, env, **popen)
