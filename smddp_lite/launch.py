@@ -58,15 +58,12 @@ def init(backend: str = BACKEND_NAME, init_method: str | None = None, rank: int 
 
 def _mpi_rendezvous(timeout: timedelta | None):
     """Rank 0 opens a TCPStore on an OS-chosen port; an MPI broadcast tells every rank where."""
-    from smddp_lite.backend.transports.mpi_environment import import_mpi
+    from smddp_lite.backend.transports.mpi_environment import INSTALL_HINT, import_mpi
 
     try:
         MPI = import_mpi()
     except ImportError:
-        raise ImportError(
-            "smddp-lite: launched by mpiexec but mpi4py is missing; pip install mpi4py mpich "
-            "(smddp-lite's [mpi] extra: pip install -e '.[mpi]' in its checkout)"
-        ) from None
+        raise ImportError(f"smddp-lite: launched by mpiexec but mpi4py is missing; {INSTALL_HINT}") from None
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)

@@ -23,6 +23,9 @@ import sys
 
 log = logging.getLogger("smddp_lite")
 
+INSTALL_HINT = "pip install mpi4py mpich (smddp-lite's [mpi] extra: pip install -e '.[mpi]' in its checkout)"
+"""What to install where mpi4py is missing: smddp-lite is not on PyPI, so its extra works only
+from a checkout."""
 CMA_SETTINGS = ("MPIR_CVAR_CH4_CMA_ENABLE", "MPICH_CH4_CMA_ENABLE")
 """MPICH's two names for the switch; a user who set either has chosen."""
 _warned = False

@@ -10,7 +10,7 @@ import socket
 from ..errors import where
 from .base import Transport
 from .hierarchical import Topology
-from .mpi_environment import cross_memory_attach_permitted
+from .mpi_environment import INSTALL_HINT as MPI_INSTALL_HINT, cross_memory_attach_permitted
 from .refusals import RefusalBoard
 
 log = logging.getLogger("smddp_lite")
@@ -127,8 +127,7 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
     if name == "mpi":
         if not _has_mpi4py():
             raise ImportError(
-                f"{where(rank, world_size, 'init')} the MPI transport needs mpi4py: "
-                "pip install mpi4py mpich (smddp-lite's [mpi] extra: pip install -e '.[mpi]' in its checkout)"
+                f"{where(rank, world_size, 'init')} the MPI transport needs mpi4py: {MPI_INSTALL_HINT}"
             )
         from .mpi import MPITransport
 

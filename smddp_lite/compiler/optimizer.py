@@ -68,6 +68,8 @@ def step_counts(optimizer: torch.optim.Optimizer, family: str) -> dict[int, floa
         elif "step" in entry:
             counts[id(p)] = float(entry["step"])
     return counts
+
+
 _STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
