@@ -15,15 +15,13 @@ import torch
 import torch.distributed as dist
 
 from .errors import PeerRefusedError, RecoverableMismatchError, where
-from .ops import LOW_PRECISION, RedOp, as_sum, dtype_name, dtype_of_code, flat_view, moved_as_bytes, signature_code
+from .ops import LOW_PRECISION, RedOp, as_sum, flat_view, moved_as_bytes
 from .scratch import DEFAULT_MAX_BYTES, Scratch
+from .signatures import REDUCE_ROOT_FACTOR, describe, signature
 from .transports.base import Transport, overlap
 
 _BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
             RedOp.MIN: RedOp.MIN, RedOp.PRODUCT: RedOp.MIN, RedOp.BAND: RedOp.MIN, RedOp.BXOR: RedOp.BXOR}
-_SIGNATURE_OPS = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "reduce_scatter": 5,
-                  "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9, "all_to_all_v": 10,
-                  "all_gather_v": 11}
 
 
 # said by mismatches every rank finds in one gathered table, before any data moves
@@ -127,7 +125,7 @@ class Collectives:
         """When enabled, verify that every rank calls the same op on the same size and dtype."""
         if not self._check:
             return
-        mine = [_SIGNATURE_OPS[op], signature_code(dtype) if dtype else 0, numel, arg]
+        mine = signature(op, dtype, numel, arg)
         try:
             everyone = self.transport.signature_check(mine)
         except PeerRefusedError:  # says what happened, naming this call, as it would without the check
@@ -137,10 +135,7 @@ class Collectives:
                             f"the same collective failed: {exc}") from exc
         if all(s == mine for s in everyone):
             return
-        names = {v: k for k, v in _SIGNATURE_OPS.items()}
-        dtypes = lambda code: dtype_name(dtype_of_code(code)) if code else "-"  # noqa: E731
-        seen = "; ".join(f"rank {r}: {names.get(s[0], s[0])}(numel={s[2]}, dtype={dtypes(s[1])}, arg={s[3]})"
-                         for r, s in enumerate(everyone))
+        seen = "; ".join(f"rank {r}: {describe(s)}" for r, s in enumerate(everyone))
         raise RecoverableMismatchError(
             f"{where(self.rank, self.world_size, op)} ranks called different collectives ({seen}). Every "
             "rank must call the same collectives in the same order with tensors of the same size and dtype. "
@@ -198,7 +193,7 @@ class Collectives:
                premultiplied: Callable[[torch.Tensor], torch.Tensor] = _as_is) -> None:
         """``premultiplied``: as all_reduce's (in place on the root, a copy elsewhere)."""
         flat, unpack = _flat(tensor)
-        self._agree("reduce", flat.dtype, flat.numel(), root * 16 + int(op))
+        self._agree("reduce", flat.dtype, flat.numel(), root * REDUCE_ROOT_FACTOR + int(op))
         flat = premultiplied(flat)
         wire, wire_op, finish = self._wire(flat, op)
         self.transport.reduce(wire, root, wire_op)
