@@ -122,10 +122,16 @@ class Collectives:
         return t.view(torch.uint8) if moved else t
 
     def _agree(self, op: str, dtype: torch.dtype | None, numel: int, arg: int = 0) -> None:
-        """When enabled, verify that every rank calls the same op on the same size and dtype."""
-        if not self._check:
+        """Verify that every rank calls the same op on the same size and dtype, where enabled;
+        otherwise tell the group's refusal board what this rank is calling, so that a wait in it
+        that lasts compares it with its peers' (refusals.RefusalBoard.mismatch_in)."""
+        board = self.transport.refusals
+        if not self._check and board is None:
             return
         mine = signature(op, dtype, numel, arg)
+        if not self._check:
+            board.entering(self.transport.call_index, mine)
+            return
         try:
             everyone = self.transport.signature_check(mine)
         except PeerRefusedError:  # says what happened, naming this call, as it would without the check

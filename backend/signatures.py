@@ -2,8 +2,9 @@
 the op's argument), as a few integers that compare across ranks and travel in a tensor or a
 store key, and its description in words for error messages.
 
-``SMDDP_CHECK_COLLECTIVES`` gathers every call's signature from every rank and compares them
-(algorithms.Collectives._agree).
+Two checks use them: ``SMDDP_CHECK_COLLECTIVES``' all_gather of every call's signature
+(algorithms.Collectives._agree), and the look that ranks waiting long in a call take at each
+other's signatures through the store (refusals.RefusalBoard.mismatch_in), which is always on.
 """
 
 from __future__ import annotations

@@ -96,6 +96,68 @@ def mismatch(kind: str) -> dict:
     return report
 
 
+# calls that differ between ranks in a way that leaves them waiting for each other (rather than
+# pairing, or aborting the process as gloo does on sizes that differ): every rank must raise
+# CollectiveMismatchError within seconds, without SMDDP_CHECK_COLLECTIVES. ``odd``: whether
+# this rank makes the other call.
+WAITING_MISMATCHES = {
+    "op": lambda odd: dist.broadcast(torch.ones(10), src=0) if odd else dist.all_reduce(torch.ones(10)),
+    # a collective that only some ranks call (logging under ``if rank == 0:``)
+    "extra_call": lambda odd: (None if odd else dist.all_reduce(torch.ones(1)), dist.barrier()),
+    "root": lambda odd: dist.broadcast(torch.ones(10), src=1 if odd else 0),
+    # split sizes passed on some ranks only: those take the uneven path, the others the equal one
+    "all_to_all_splits": lambda odd: dist.all_to_all_single(
+        torch.empty(2 * dist.get_world_size()), torch.ones(2 * dist.get_world_size()),
+        *(() if odd else ([2] * dist.get_world_size(), [2] * dist.get_world_size()))),
+}
+
+
+def mismatch_that_waits(kind: str, odd_ranks: list[int], late_rank: int = -1, late_s: float = 0.0) -> dict:
+    """The ranks in ``odd_ranks`` make the other call of ``kind`` (WAITING_MISMATCHES);
+    ``late_rank`` makes its call ``late_s`` after its peers (after they found the mismatch)."""
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    if rank == late_rank:
+        time.sleep(late_s)
+    report = _error_of(lambda: WAITING_MISMATCHES[kind](rank in odd_ranks))
+    report["usable_after"] = _usable_after_error()
+    return report
+
+
+def slow_rank_matching_calls(slow_s: float = 1.4) -> dict:
+    """The last rank makes each call ``slow_s`` after its peers, so they wait in it long enough to
+    compare signatures through the store; the calls match, so every one must complete, with the
+    right values. A call of two dtypes runs two steps; an uneven all_to_all gathers its sizes
+    first."""
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    slow = rank == world - 1
+
+    def arrive() -> None:
+        if slow:
+            time.sleep(slow_s)
+
+    start = time.monotonic()
+    arrive()
+    two_dtypes = [torch.full((3,), float(rank)), torch.full((2,), float(rank), dtype=torch.float64)]
+    # the process group's own method takes a list of tensors (torch's dist.all_reduce takes one)
+    dist.distributed_c10d._get_default_group().allreduce(two_dtypes).wait()
+    arrive()
+    rooted = torch.full((4,), float(rank))
+    dist.broadcast(rooted, src=world - 1)
+    arrive()
+    # rank p sends p + 1 elements to every rank
+    received = torch.empty(sum(p + 1 for p in range(world)))
+    dist.all_to_all_single(received, torch.full(((rank + 1) * world,), float(rank)),
+                           output_split_sizes=[p + 1 for p in range(world)], input_split_sizes=[rank + 1] * world)
+    arrive()
+    dist.barrier()
+    report = {"sums": [t.tolist() for t in two_dtypes], "broadcast": rooted.tolist(), "received": received.tolist(),
+              "seconds": time.monotonic() - start}
+    dist.destroy_process_group()
+    return report
+
+
 def _usable_after_error() -> bool | str:
     """Whether the group still works after the error just raised (an all_reduce gives the sum),
     or the error that its next call raised."""

@@ -112,6 +112,85 @@ def test_ranks_of_one_host_passing_different_dtypes_to_a_hierarchical_all_gather
         assert error["seconds"] < 30, error
 
 
+def _waiting_mismatch_words(kind: str, world: int) -> list[str]:
+    """What the error must say each side called, for programs.WAITING_MISMATCHES[kind]."""
+    return {
+        "op": ["all_reduce(numel=10, dtype=float32, op=SUM)", "broadcast(numel=10, dtype=float32, root=0)"],
+        "extra_call": ["all_reduce(numel=1, dtype=float32, op=SUM)", "barrier()"],
+        "root": ["broadcast(numel=10, dtype=float32, root=0)", "broadcast(numel=10, dtype=float32, root=1)"],
+        "all_to_all_splits": ["all_to_all_v(with split sizes, dtype=float32)",
+                              f"all_to_all(numel={2 * world}, dtype=float32)"],
+    }[kind]
+
+
+WAITING_MISMATCH_LAUNCHES = {  # transport: (ranks, the ranks making the other call, launch arguments)
+    "gloo": (2, [1], {"env": {"SMDDP_TRANSPORT": "gloo"}}),
+    "mpi": (2, [1], {"env": {"SMDDP_TRANSPORT": "mpi"}}),
+    # one simulated host calls one thing, the other host another: ranks wait in shared memory
+    # (the step inside the host) and in gloo (between hosts)
+    "hierarchical": (4, [2, 3], {"env": {"SMDDP_ALGORITHM": "hierarchical"}, "hosts_of": 2}),
+}
+WAITING_MISMATCH_CASES = [("gloo", kind) for kind in ("op", "extra_call", "root", "all_to_all_splits")] + [
+    # MPI pairs the other kinds without an error (ranks' calls are matched by order only)
+    ("mpi", "op"),
+    ("hierarchical", "op"), ("hierarchical", "extra_call"), ("hierarchical", "all_to_all_splits"),
+]
+
+
+@pytest.mark.parametrize("transport,kind", WAITING_MISMATCH_CASES)
+def test_ranks_waiting_in_different_calls_raise_without_the_check(transport, kind):
+    """Without SMDDP_CHECK_COLLECTIVES, ranks whose calls differ and leave them waiting for each
+    other compare their calls through the store once a wait lasts a second, and every rank
+    raises, naming both calls, instead of waiting for the group's timeout (60 s here)."""
+    world, odd, launch = WAITING_MISMATCH_LAUNCHES[transport]
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+        results = harness.launch_mpi("tests.programs:mismatch_that_waits", world, kind=kind, odd_ranks=odd, **launch)
+    else:
+        results = harness.launch("tests.programs:mismatch_that_waits", world, kind=kind, odd_ranks=odd, **launch)
+    for rank, error in enumerate(harness.values(results)):
+        assert error["type"] == "CollectiveMismatchError", (rank, error)
+        assert error["backend_error"], "must be a torch DistBackendError"
+        for words in [f"[smddp rank {rank}/{world} ", "called different collectives as call #1",
+                      "only some ranks call", *_waiting_mismatch_words(kind, world)]:
+            assert words in error["message"], (rank, words, error["message"])
+        assert "can no longer be used" in error["usable_after"], (rank, error)
+        assert error["seconds"] < 10, (rank, error)
+
+
+def test_a_rank_arriving_after_its_peers_found_a_mismatch_is_told():
+    """Ranks 0 and 1 differ and raise after about a second; rank 2, which calls what rank 0 does,
+    arrives 3 s later: it must raise the same error, not wait for the timeout (its peers have
+    left the call, and may have exited)."""
+    results = harness.launch("tests.programs:mismatch_that_waits", 3, env={"SMDDP_TRANSPORT": "gloo"}, kind="op",
+                             odd_ranks=[1], late_rank=2, late_s=3.0)
+    for rank, error in enumerate(harness.values(results)):
+        assert error["type"] == "CollectiveMismatchError", (rank, error)
+        for words in [f"[smddp rank {rank}/3 ", "called different collectives as call #1",
+                      *_waiting_mismatch_words("op", 3)]:
+            assert words in error["message"], (rank, words, error["message"])
+        assert error["seconds"] < 10, (rank, error)
+
+
+@pytest.mark.parametrize("transport", sorted(WAITING_MISMATCH_LAUNCHES))
+def test_a_slow_rank_whose_calls_match_is_not_taken_for_a_mismatch(transport):
+    """Waits that last over a second compare the ranks' calls; calls that match, including one of
+    two dtypes (two steps) and an uneven all_to_all, must all complete with the right values."""
+    world, _, launch = WAITING_MISMATCH_LAUNCHES[transport]
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+        results = harness.launch_mpi("tests.programs:slow_rank_matching_calls", world, **launch)
+    else:
+        results = harness.launch("tests.programs:slow_rank_matching_calls", world, **launch)
+    total = float(sum(range(world)))
+    for rank, report in enumerate(harness.values(results)):
+        assert report["sums"] == [[total] * 3, [total] * 2], (rank, report)
+        assert report["broadcast"] == [float(world - 1)] * 4, (rank, report)
+        assert report["received"] == [float(p) for p in range(world) for _ in range(p + 1)], (rank, report)
+        if rank < world - 1:  # it waited over a second in each call, so it compared
+            assert report["seconds"] > 4 * 1.4, (rank, report)
+
+
 @pytest.mark.parametrize("transport", ["shm", "gloo", "mpi", "hierarchical"])
 def test_uneven_all_to_all_sizes_that_disagree_raise_on_every_rank_and_the_group_goes_on(transport):
     """Checked always (not only with SMDDP_CHECK_COLLECTIVES): MPI fills the outputs partly and

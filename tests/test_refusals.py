@@ -8,10 +8,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from backend.process_group import _own_keys
-from backend.transports.refusals import RefusalBoard
+from backend.signatures import signature
+from backend.transports.refusals import SIGNATURE_SLOTS, RefusalBoard
 
 TIMEOUT = timedelta(seconds=10)
 
@@ -110,6 +112,9 @@ class _CountingStore(dist.Store):
     def wait(self, keys, timeout=None):
         return self._count("wait", keys, *([timeout] if timeout is not None else []))
 
+    def compare_set(self, key, expected, desired):
+        return self._count("compare_set", key, expected, desired)
+
 
 def _requests_per_look(store: _CountingStore, board: RefusalBoard, call: int, looks: int = 10) -> float:
     before = store.requests
@@ -152,3 +157,70 @@ def test_an_mpi_rank_hears_a_failure_announced_in_any_call():
     assert boards[0].heard(5) is None
     boards[1].announce_failure(4, "MPI_ERR_TRUNCATE")
     assert _hear(boards[0], 5) == "rank 1 failed in call #4: MPI_ERR_TRUNCATE"
+
+
+ALL_REDUCE = signature("all_reduce", torch.float32, 10, 0)
+BROADCAST = signature("broadcast", torch.float32, 10, 0)
+
+
+def test_ranks_waiting_in_different_calls_find_it_and_every_rank_hears_it():
+    boards = _group(dist.HashStore(), 3)
+    boards[0].entering(5, ALL_REDUCE)
+    assert boards[0].mismatch_in(5) is None  # the first to wait long in call 5: nothing to compare with
+    boards[1].entering(5, BROADCAST)
+    said = boards[1].mismatch_in(5)
+    assert said == ("ranks called different collectives as call #5 of this group, and each waits for the others "
+                    "in it: rank 0: all_reduce(numel=10, dtype=float32, op=SUM); "
+                    "rank 1: broadcast(numel=10, dtype=float32, root=0)"), said
+    assert boards[1].mismatch_in(5) is None  # once per step of a call
+    # announced to the group: the rank it compared with, and a rank waiting in another call
+    assert _hear(boards[0], 5) == said
+    assert _hear(boards[2], 4) == said
+
+
+def test_ranks_waiting_in_the_same_call_agree_and_hear_nothing():
+    boards = _group(dist.HashStore(), 3)
+    for board in boards:
+        board.entering(5, ALL_REDUCE)
+        assert board.mismatch_in(5) is None
+    assert all(board.heard(5) is None for board in boards)
+
+
+def test_signatures_compare_step_by_step_and_slots_are_reused():
+    boards = _group(dist.HashStore(), 2)
+    # a call of two dtypes runs two steps: rank 0 waits in the second while rank 1 is still in
+    # the first, which rank 0 finished: nothing to compare
+    boards[0].entering(3, ALL_REDUCE)
+    boards[0].entering(3, BROADCAST)
+    assert boards[0].mismatch_in(3) is None
+    boards[1].entering(3, ALL_REDUCE)
+    assert boards[1].mismatch_in(3) is None
+    # SIGNATURE_SLOTS calls later the slot of call 3 is taken over, and compared in again
+    later = 3 + SIGNATURE_SLOTS
+    boards[1].entering(later, BROADCAST)
+    assert boards[1].mismatch_in(later) is None
+    boards[0].entering(later, BROADCAST)
+    assert boards[0].mismatch_in(later) is None
+    boards[0].entering(later + SIGNATURE_SLOTS, BROADCAST)
+    boards[1].entering(later + SIGNATURE_SLOTS, ALL_REDUCE)
+    assert boards[0].mismatch_in(later + SIGNATURE_SLOTS) is None
+    assert f"as call #{later + SIGNATURE_SLOTS} " in boards[1].mismatch_in(later + SIGNATURE_SLOTS)
+
+
+def test_a_wait_compares_signatures_once_after_a_second(monkeypatch):
+    """One store request per call that waits over a second (MISMATCH_LOOK_AFTER_S), none sooner:
+    a rank slow to arrive makes its peers wait without anything being wrong."""
+    from backend.transports import refusals
+
+    store = _CountingStore(dist.HashStore())
+    board = _group(store, 2)[0]
+    clock = [100.0]
+    monkeypatch.setattr(refusals.time, "monotonic", lambda: clock[0])
+    compares = []
+    compare_set = store.compare_set
+    store.compare_set = lambda *args: (compares.append(clock[0]), compare_set(*args))[1]
+    board.entering(7, ALL_REDUCE)
+    for _ in range(200):  # 10 s of 50 ms polls in one call
+        assert board.heard(7) is None
+        clock[0] += 0.05
+    assert len(compares) == 1 and 101.0 <= compares[0] < 101.1, compares

@@ -13,7 +13,7 @@ from ..errors import PeerFailureError
 from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum
 from ..scratch import DEFAULT_MAX_BYTES, Scratch
 from .base import Transport, overlap
-from .refusals import POLL
+from .refusals import POLL, explained
 
 _TORCH_OP = {
     RedOp.SUM: dist.ReduceOp.SUM,
@@ -69,6 +69,12 @@ class GlooTransport(Transport):
         except Exception as exc:
             if timeout is not None and _SLICE_ENDED in str(exc):
                 raise _SliceEnded from None
+            # a peer that raised for a reason it posted on the group's board (a mismatch it
+            # found, a refusal) and then exited closes its connections before this rank's next
+            # look there: its reason says more than gloo's "connection closed"
+            said = self.refusals.news(self.call_index) if self.refusals is not None else None
+            if said is not None:
+                raise explained(said, self.where(op)) from exc
             # Gloo's own text names the peer and the socket error
             raise PeerFailureError(f"{self.where(op)} gloo failed: {exc}") from exc
 

@@ -26,7 +26,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..errors import PeerFailureError, PeerRefusedError
+from ..errors import CollectiveMismatchError, PeerFailureError, PeerRefusedError, SMDDPError
+from ..signatures import describe
 
 log = logging.getLogger("smddp_lite")
 
@@ -49,6 +50,18 @@ call's wait instead."""
 FAILED_IN_CALL, FAILED_KEY = "failed in call", "failed"
 """What a failure's announcement says after the rank's number, and its key: one for the whole
 group, since the peers may have left the failed call and be waiting in a later one."""
+MISMATCH_SAID, MISMATCH_KEY = "ranks called different collectives", "mismatch"
+"""How a mismatch's announcement starts, and its key: one for the whole group, as a failure's."""
+MISMATCH_LOOK_AFTER_S = 1.0
+"""How long a wait lasts (from its first look) before it posts and compares its call's signature:
+one store round trip, once per call that waits that long (a rank slow to arrive makes its peers
+wait this long without anything being wrong)."""
+SIGNATURE_SLOTS = 64
+"""Signatures are posted under the call's number modulo this, replacing an older call's: the
+store holds at most this many per group, however long the job runs. A collective completes only
+once every rank has entered it, so ranks are hardly ever this many calls apart; one that ran
+ahead through calls that end without their peers (a broadcast's root) takes a slot that a
+slower rank then cannot compare in, which only leaves that wait to the timeout, as before."""
 NEWS_KEY = "news"
 """A count of the refusals and failures posted in the group, added to after each one's keys are
 written. A waiting rank reads it (``add(NEWS_KEY, 0)``: one round trip, never blocking) and reads
@@ -68,6 +81,8 @@ class RefusalBoard:
         self._looking_at = (0, 0.0, 0.0)  # (call, first look, last look) of the current wait
         self._news_seen = 0  # NEWS_KEY's count when this rank last found nothing new for it
         self._settled = 0  # the latest refused call this rank refused too or recorded that it left
+        self._step: tuple[int, int, list[int]] | None = None  # (call, step, signature) being waited in
+        self._step_compared = True  # whether that step's signature was compared already
         self.hears_failures = False
         """Whether waits also look for a failure announced in any call (announce_failure): one
         more store round trip whenever NEWS_KEY moved, so only transports whose failures can stay
@@ -118,13 +133,57 @@ class RefusalBoard:
             log.warning("smddp: rank %d could not tell its peers that call #%d failed (%s); they will wait "
                         "for the process group's timeout", self.rank, call, exc)
 
+    # a rank entering a call ---------------------------------------------------------------------
+    def entering(self, call: int, signature: list[int]) -> None:
+        """This rank is about to run a step of call ``call`` (a call runs one per dtype of its
+        tensors) whose signature is ``signature``; a wait in it that lasts compares it."""
+        step = self._step[1] + 1 if self._step is not None and self._step[0] == call else 0
+        self._step, self._step_compared = (call, step, signature), False
+
     # a waiting rank -------------------------------------------------------------------------------
+    def mismatch_in(self, call: int) -> str | None:
+        """Post the signature of the step of call ``call`` this rank waits in, once, and compare it
+        with the one posted first by a peer waiting in the same step; returns what differs (and
+        announces it to the group), or None. A slot holding an older call's entry is taken over
+        (compare_set on the entry found), so two ranks that find it stale still meet in one."""
+        if self._step is None or self._step[0] != call or self._step_compared:
+            return None
+        self._step_compared = True
+        _, step, mine = self._step
+        key = f"signature/{call % SIGNATURE_SLOTS}"
+        written = ",".join(map(str, mine))
+        posted = f"{call} {step} {written} {self.rank}"
+        expected = ""
+        for _ in range(SIGNATURE_SLOTS):  # each pass finds a newer entry; never more than a few
+            found = self._store.compare_set(key, expected, posted).decode()
+            if found == posted:
+                return None  # the first to wait this long in this step: later ones compare with it
+            their_call, their_step, theirs, their_rank = found.split(" ")
+            if (int(their_call), int(their_step)) > (call, step):
+                return None  # a peer is past this step: it finished it, so it is no mismatch
+            if (int(their_call), int(their_step)) == (call, step):
+                if theirs == written:
+                    return None
+                return self._announce_mismatch(call, int(their_rank), [int(v) for v in theirs.split(",")], mine)
+            expected = found
+        return None
+
+    def _announce_mismatch(self, call: int, peer: int, theirs: list[int], mine: list[int]) -> str:
+        calls = sorted([(peer, theirs), (self.rank, mine)])
+        said = (f"{MISMATCH_SAID} as call #{call} of this group, and each waits for the others in it: "
+                + "; ".join(f"rank {r}: {describe(s)}" for r, s in calls))
+        self._store.set(MISMATCH_KEY, said)
+        self._store.add(NEWS_KEY, 1)  # after the key it announces
+        return said
+
     def heard(self, call: int) -> str | None:
-        """What a refusing rank said of call ``call``, recording that this rank leaves the call, or
-        (``hears_failures``) what a failing rank said of its failure in any call; None if neither
-        happened, if the current wait looked too recently, or if the store cannot be reached (its
-        host died: the transport reports that peer's failure itself, naming it, which a store
-        error would not)."""
+        """What a refusing rank said of call ``call``, recording that this rank leaves the call,
+        (``hears_failures``) what a failing rank said of its failure in any call, or which ranks
+        called different collectives (found by this rank once its wait has lasted
+        MISMATCH_LOOK_AFTER_S, or announced by any ranks of the group); None if none happened, if
+        the current wait looked too recently, or if the store cannot be reached (its host died:
+        the transport reports that peer's failure itself, naming it, which a store error would
+        not)."""
         now = time.monotonic()
         looked_call, first, last = self._looking_at
         if looked_call != call:
@@ -133,6 +192,10 @@ class RefusalBoard:
             return None
         self._looking_at = (call, first, now)
         try:
+            if now - first >= MISMATCH_LOOK_AFTER_S:
+                clash = self.mismatch_in(call)
+                if clash is not None:
+                    return clash
             news = self._store.add(NEWS_KEY, 0)
             if news == self._news_seen:
                 return None
@@ -144,8 +207,21 @@ class RefusalBoard:
         except (RuntimeError, OSError):  # DistStoreError and socket errors
             return None
 
+    def news(self, call: int) -> str | None:
+        """What the group's board says to a rank whose part of call ``call`` just failed (a peer's
+        connection closed), looked up at once: a refusal, failure or mismatch that a peer posted
+        before it left, or None (nothing posted, or the store cannot be reached)."""
+        try:
+            if self._store.add(NEWS_KEY, 0) == self._news_seen:
+                return None
+            return self._news_for(call)
+        except (RuntimeError, OSError):
+            return None
+
     def _news_for(self, call: int) -> str | None:
-        """What the group's refusal and failure keys say to a rank waiting in call ``call``."""
+        """What the group's refusal, failure and mismatch keys say to a rank waiting in call ``call``."""
+        if self._store.check([MISMATCH_KEY]):  # announced by ranks in a call this rank may not be in
+            return self._store.get(MISMATCH_KEY).decode(errors="replace")
         said = self._refusal_for(call) if self._store.check([LATEST_REFUSAL_KEY]) else None
         if said is None and self.hears_failures and self._store.check([FAILED_KEY]):
             return self._store.get(FAILED_KEY).decode(errors="replace")
@@ -171,18 +247,32 @@ class RefusalBoard:
         return None
 
     def raise_if_refused(self, call: int, prefix: str) -> None:
-        """Raise PeerRefusedError (its text after ``prefix``, errors.where's) on this waiting
-        rank if a peer refused call ``call``, or PeerFailureError if one announced that it failed
-        in it."""
+        """Raise on this waiting rank (its text after ``prefix``, errors.where's) if a peer
+        refused call ``call`` (PeerRefusedError), announced that it failed in it
+        (PeerFailureError), or called a different collective (CollectiveMismatchError)."""
         said = self.heard(call)
-        if said is not None and FAILED_IN_CALL in said:
-            raise PeerFailureError(
-                f"{prefix} {said}. The call cannot complete without that rank, so this process group can "
-                "no longer be used; that rank's error says why it failed. Restart the job once it is fixed."
-            )
         if said is not None:
-            raise PeerRefusedError(
-                f"{prefix} {said}. The call cannot complete without that rank, and this "
-                "rank is left inside it, so this process group can no longer be used; fix the input on that "
-                "rank and restart the job (or destroy and re-create the group)."
-            )
+            raise explained(said, prefix)
+
+
+def explained(said: str, prefix: str) -> SMDDPError:
+    """The error a rank raises for what its group's board said (RefusalBoard.heard), after
+    ``prefix`` (errors.where's), with what to do about it."""
+    if said.startswith(MISMATCH_SAID):
+        return CollectiveMismatchError(
+            f"{prefix} {said}. Every rank must call the same collectives in the same order, with tensors of the "
+            "same size and dtype: look for a collective that only some ranks call (under `if rank == 0:`, or in a "
+            "loop that runs a different number of times on some ranks). The ranks are left inside different calls, "
+            "so this process group can no longer be used; fix the calls and restart the job (or destroy and "
+            "re-create the group)."
+        )
+    if FAILED_IN_CALL in said:
+        return PeerFailureError(
+            f"{prefix} {said}. The call cannot complete without that rank, so this process group can "
+            "no longer be used; that rank's error says why it failed. Restart the job once it is fixed."
+        )
+    return PeerRefusedError(
+        f"{prefix} {said}. The call cannot complete without that rank, and this "
+        "rank is left inside it, so this process group can no longer be used; fix the input on that "
+        "rank and restart the job (or destroy and re-create the group)."
+    )

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import CollectiveMismatchError, PeerFailureError, PeerRefusedError, where
+from .refusals import explained
 
 PHASE, PID, BROKEN, REJECTED = 0, 1, 2, 3
 HEADER = 4  # two headers of 6 fields: op seq, call index, op code, dtype code, numel, arg
@@ -132,7 +133,8 @@ class ShmSegment:
                 self._fail(f"rank {self._shown(peer)} refused this call: {self._reason(peer)}", PeerRefusedError)
         said = self.refused() if self.refused is not None else None
         if said is not None:  # a rank on another host, seen by the whole group (hierarchical)
-            self._fail(said, PeerRefusedError)
+            self.mark_broken(said)
+            raise explained(said, self._where())
         pid = int(self.control[waiting_for, PID])
         if pid and not _alive(pid):
             self._fail(f"rank {self._shown(waiting_for)} (pid {pid}) died")
