@@ -19,7 +19,9 @@ _NAMES = {code: name for name, code in OPS.items()}
 
 _ROOTED = {"broadcast", "gather", "scatter"}
 _REDUCING = {"all_reduce", "reduce_scatter"}
-_UNEVEN = {"all_to_all_v": "with split sizes", "all_gather_v": "with outputs of different sizes"}
+_UNEVEN = {"all_to_all_v": ("all_to_all", "with split sizes"),
+           "all_gather_v": ("all_gather", "with outputs of different sizes")}
+_OUTPUT_SIZED = {"reduce_scatter", "scatter"}  # their signature holds the size of a rank's output
 REDUCE_ROOT_FACTOR = 16
 """reduce's argument is root * REDUCE_ROOT_FACTOR + op: both must agree, and RedOp has fewer
 than 16 members."""
@@ -44,8 +46,10 @@ def describe(sig: list[int]) -> str:
         words.append(f"op={_op_name(arg)}")
     elif name == "reduce":
         words += [f"root={arg // REDUCE_ROOT_FACTOR}", f"op={_op_name(arg % REDUCE_ROOT_FACTOR)}"]
+    if name in _OUTPUT_SIZED:
+        words[0] = f"output numel={numel}"
     if name in _UNEVEN:  # their sizes are checked apart, in a table every rank gathers
-        words[0] = _UNEVEN[name]
+        name, words[0] = _UNEVEN[name]
     return f"{name}({', '.join(words)})"
 
 

@@ -38,10 +38,10 @@ class BackendConfig:
     check_collectives: bool = False
     """Check op, dtype and size across ranks before each collective even without ``debug``.
     The shared-memory transport always checks (it costs nothing there); on gloo and MPI the
-    check is one extra small all_gather per call. Without it, gloo and MPI still find calls that
-    differ once ranks have waited in them a second for each other; calls that differ yet pair
-    (gloo aborts the process on sizes that differ, MPI may return wrong data) need the check.
-    Env: ``SMDDP_CHECK_COLLECTIVES``."""
+    check is one extra small all_gather per call. Without it, gloo, MPI and the hierarchical
+    transport still find calls that differ once ranks have waited a second for each other in
+    them; calls that differ yet pair (gloo aborts the process on sizes that differ, MPI may
+    return wrong data) need the check. Env: ``SMDDP_CHECK_COLLECTIVES``."""
 
     shm_chunk_bytes: int = 1 << 20
     """Bytes each rank stages per step in the shared-memory transport. 1 MiB keeps a step's

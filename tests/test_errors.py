@@ -118,7 +118,7 @@ def _waiting_mismatch_words(kind: str, world: int) -> list[str]:
         "op": ["all_reduce(numel=10, dtype=float32, op=SUM)", "broadcast(numel=10, dtype=float32, root=0)"],
         "extra_call": ["all_reduce(numel=1, dtype=float32, op=SUM)", "barrier()"],
         "root": ["broadcast(numel=10, dtype=float32, root=0)", "broadcast(numel=10, dtype=float32, root=1)"],
-        "all_to_all_splits": ["all_to_all_v(with split sizes, dtype=float32)",
+        "all_to_all_splits": ["all_to_all(with split sizes, dtype=float32)",
                               f"all_to_all(numel={2 * world}, dtype=float32)"],
     }[kind]
 
@@ -126,9 +126,14 @@ def _waiting_mismatch_words(kind: str, world: int) -> list[str]:
 WAITING_MISMATCH_LAUNCHES = {  # transport: (ranks, the ranks making the other call, launch arguments)
     "gloo": (2, [1], {"env": {"SMDDP_TRANSPORT": "gloo"}}),
     "mpi": (2, [1], {"env": {"SMDDP_TRANSPORT": "mpi"}}),
-    # one simulated host calls one thing, the other host another: ranks wait in shared memory
-    # (the step inside the host) and in gloo (between hosts)
-    "hierarchical": (4, [2, 3], {"env": {"SMDDP_ALGORITHM": "hierarchical"}, "hosts_of": 2}),
+    # one simulated host calls one thing, the other host another: ranks wait between hosts (gloo)
+    "hierarchical": (6, [3, 4, 5], {"env": {"SMDDP_ALGORITHM": "hierarchical"}, "hosts_of": 3}),
+}
+WAITING_MISMATCH_ODD_RANKS = {
+    # rank 3 alone skips the all_reduce: ranks 4 and 5, on its host, wait for it in shared memory
+    # (the step inside the host), and the one that looks at the store second may first see the
+    # other's segment flag that it raised
+    ("hierarchical", "extra_call"): [3],
 }
 WAITING_MISMATCH_CASES = [("gloo", kind) for kind in ("op", "extra_call", "root", "all_to_all_splits")] + [
     # MPI pairs the other kinds without an error (ranks' calls are matched by order only)
@@ -143,6 +148,7 @@ def test_ranks_waiting_in_different_calls_raise_without_the_check(transport, kin
     other compare their calls through the store once a wait lasts a second, and every rank
     raises, naming both calls, instead of waiting for the group's timeout (60 s here)."""
     world, odd, launch = WAITING_MISMATCH_LAUNCHES[transport]
+    odd = WAITING_MISMATCH_ODD_RANKS.get((transport, kind), odd)
     if transport == "mpi":
         harness.skip_without_mpiexec()
         results = harness.launch_mpi("tests.programs:mismatch_that_waits", world, kind=kind, odd_ranks=odd, **launch)

@@ -46,7 +46,8 @@ class Transport(abc.ABC):
     calls (begin_call)."""
     refusals = None
     """The group's RefusalBoard (refusals.py) for transports whose waits cannot otherwise learn
-    that a peer refused the call they wait in (gloo, MPI, the hierarchical transport's parts)."""
+    that a peer refused the call they wait in, or called a different one (gloo, MPI, the
+    hierarchical transport's parts)."""
     shown_as: tuple[int, int] | None = None
     """(rank, world size) that error messages name, when not this transport's own: the
     hierarchical transport's parts are groups of their own, whose ranks users never see."""

@@ -51,7 +51,7 @@ class GlooTransport(Transport):
         if self.refusals is None:
             return self._wait(op, work, None)
         while not self._waited_one_slice(op, work):
-            self.refusals.raise_if_refused(self.call_index, self.where(op))  # a peer never entering
+            self.refusals.raise_if_told(self.call_index, self.where(op))  # a peer never entering
         return None
 
     def _waited_one_slice(self, op: str, work) -> bool:

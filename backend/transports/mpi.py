@@ -112,7 +112,7 @@ class MPITransport(Transport):
                 continue
             time.sleep(_SLEEP_S)
             if self.refusals is not None and now >= next_check:  # a peer that refused this call never enters it
-                self.refusals.raise_if_refused(self.call_index, self.where(op))
+                self.refusals.raise_if_told(self.call_index, self.where(op))
                 next_check = now + POLL_S
             if waited > self.timeout_s:
                 raise PeerFailureError(

@@ -1,4 +1,5 @@
-"""Telling peers that a rank refused a call, for transports that cannot tell them themselves.
+"""Telling peers that a rank refused a call, or called a different one, for transports that
+cannot tell them themselves.
 
 A rank that refuses a collective (bad input on that rank alone: a dtype, a device, a size) raises
 before it enters the transport, but its peers may already be inside the call. Shared memory has a
@@ -6,8 +7,9 @@ flag for that (shm_segment.py). Gloo and MPI have none: a peer would wait for th
 timeout, 30 minutes by default. So the refusing rank writes one key, named by the call's index,
 into the group's store, and a rank waiting in gloo, MPI or (under the hierarchical transport)
 shared memory looks for the key of its own call every ``POLL_S`` and raises with the refusing
-rank's message. Keys are written only on refusals, and looked up only by waits that have already
-lasted ``POLL_S``, so a collective that completes in time never touches the store.
+rank's message. Keys are written only on refusals, failures and waits that lasted a second (the
+mismatch look below), and looked up only by waits that have already lasted ``POLL_S``, so a
+collective that completes in time never touches the store.
 
 A peer that leaves a call this way leaves its gloo or MPI operation posted, and gloo and MPI
 match operations by order: the refusing rank's next call would pair with it and mix the two
@@ -16,6 +18,15 @@ and the refusing rank's next call waits for all of them: if every rank refused, 
 on; if any left, the group is failed on the refusing rank too. A rank whose part of the refused
 call ended without the refusing rank (a rooted call's) never waited in it: it hears of it in its
 next wait (LATEST_REFUSAL_KEY), and records that it left.
+
+The board also finds ranks that called different collectives and wait for each other in them (a
+collective that only some ranks call, or a broadcast from different roots): a rank whose wait in a
+call has lasted MISMATCH_LOOK_AFTER_S posts the signature (signatures.py) of the step it waits in
+once, and compares it with the one a peer waiting in the same step posted first. A rank that finds
+a different one announces it, and every waiting rank raises CollectiveMismatchError instead of
+waiting for the group's timeout. Calls that complete in time pay nothing; without
+SMDDP_CHECK_COLLECTIVES, calls that differ but still pair with each other (gloo and MPI match
+operations by order) are not found this way.
 """
 
 from __future__ import annotations
@@ -53,9 +64,12 @@ group, since the peers may have left the failed call and be waiting in a later o
 MISMATCH_SAID, MISMATCH_KEY = "ranks called different collectives", "mismatch"
 """How a mismatch's announcement starts, and its key: one for the whole group, as a failure's."""
 MISMATCH_LOOK_AFTER_S = 1.0
-"""How long a wait lasts (from its first look) before it posts and compares its call's signature:
-one store round trip, once per call that waits that long (a rank slow to arrive makes its peers
-wait this long without anything being wrong)."""
+"""How long a wait in a call lasts (from its first look) before it posts and compares the
+signature of the step it waits in: one store round trip, once per step of a call that waits that
+long (a rank slow to arrive makes its peers wait this long without anything being wrong)."""
+_TAKEOVER_TRIES = 4
+"""Compare-and-sets one look makes at most: each further one follows a peer that wrote the slot
+between two of this rank's, which ranks entering one step do once each."""
 SIGNATURE_SLOTS = 64
 """Signatures are posted under the call's number modulo this, replacing an older call's: the
 store holds at most this many per group, however long the job runs. A collective completes only
@@ -63,14 +77,15 @@ once every rank has entered it, so ranks are hardly ever this many calls apart; 
 ahead through calls that end without their peers (a broadcast's root) takes a slot that a
 slower rank then cannot compare in, which only leaves that wait to the timeout, as before."""
 NEWS_KEY = "news"
-"""A count of the refusals and failures posted in the group, added to after each one's keys are
+"""A count of the refusals, failures and mismatches posted in the group, added to after each one's keys are
 written. A waiting rank reads it (``add(NEWS_KEY, 0)``: one round trip, never blocking) and reads
 the other keys only when it moved: 512 ranks waiting for a slow one asked the store's host for
 two to four keys each every 50 ms, once any call of the group had been refused."""
 
 
 class RefusalBoard:
-    """The keys of one process group's refused calls, in that group's store."""
+    """The keys of one process group's refused calls, failures and mismatched calls, in that
+    group's store."""
 
     def __init__(self, store, rank: int, world_size: int, timeout: timedelta) -> None:
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
@@ -144,17 +159,22 @@ class RefusalBoard:
     def mismatch_in(self, call: int) -> str | None:
         """Post the signature of the step of call ``call`` this rank waits in, once, and compare it
         with the one posted first by a peer waiting in the same step; returns what differs (and
-        announces it to the group), or None. A slot holding an older call's entry is taken over
-        (compare_set on the entry found), so two ranks that find it stale still meet in one."""
+        announces it to the group), or None. A store error leaves the step to compare at the next
+        look."""
         if self._step is None or self._step[0] != call or self._step_compared:
             return None
+        said = self._compare(*self._step)
         self._step_compared = True
-        _, step, mine = self._step
+        return said
+
+    def _compare(self, call: int, step: int, mine: list[int]) -> str | None:
+        # A slot holding an older call's entry is taken over (compare_set on the entry found), so
+        # two ranks that find it stale still meet in one entry
         key = f"signature/{call % SIGNATURE_SLOTS}"
         written = ",".join(map(str, mine))
         posted = f"{call} {step} {written} {self.rank}"
         expected = ""
-        for _ in range(SIGNATURE_SLOTS):  # each pass finds a newer entry; never more than a few
+        for _ in range(_TAKEOVER_TRIES):
             found = self._store.compare_set(key, expected, posted).decode()
             if found == posted:
                 return None  # the first to wait this long in this step: later ones compare with it
@@ -169,10 +189,12 @@ class RefusalBoard:
         return None
 
     def _announce_mismatch(self, call: int, peer: int, theirs: list[int], mine: list[int]) -> str:
+        """Tell the group, and return, what differs; the first announcement stays, so that every
+        rank names the same pair of calls (several pairs may differ when several ranks do)."""
         calls = sorted([(peer, theirs), (self.rank, mine)])
         said = (f"{MISMATCH_SAID} as call #{call} of this group, and each waits for the others in it: "
                 + "; ".join(f"rank {r}: {describe(s)}" for r, s in calls))
-        self._store.set(MISMATCH_KEY, said)
+        said = self._store.compare_set(MISMATCH_KEY, "", said).decode(errors="replace")
         self._store.add(NEWS_KEY, 1)  # after the key it announces
         return said
 
@@ -246,7 +268,7 @@ class RefusalBoard:
                                     "ended without it", 1)
         return None
 
-    def raise_if_refused(self, call: int, prefix: str) -> None:
+    def raise_if_told(self, call: int, prefix: str) -> None:
         """Raise on this waiting rank (its text after ``prefix``, errors.where's) if a peer
         refused call ``call`` (PeerRefusedError), announced that it failed in it
         (PeerFailureError), or called a different collective (CollectiveMismatchError)."""

@@ -294,8 +294,9 @@ class ShmTransport(Transport):
         self.seg.peers_shown = value
 
     def _refusal(self) -> str | None:
-        """A refusal of the current call posted on the group's board (set when this transport is
-        the host part of a hierarchical one); peers on this host use the segment's own flag."""
+        """A refusal of the current call, a failure or a mismatch posted on the group's board (set
+        when this transport is the host part of a hierarchical one); peers on this host use the
+        segment's own flags."""
         return None if self.refusals is None else self.refusals.heard(self.call_index)
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import CollectiveMismatchError, PeerFailureError, PeerRefusedError, where
-from .refusals import explained
+from .refusals import MISMATCH_SAID, explained
 
 PHASE, PID, BROKEN, REJECTED = 0, 1, 2, 3
 HEADER = 4  # two headers of 6 fields: op seq, call index, op code, dtype code, numel, arg
@@ -128,7 +128,11 @@ class ShmSegment:
     def _check_peers(self, waiting_for: int, waited_s: float) -> None:
         for peer in range(self.world_size):
             if self.control[peer, BROKEN]:
-                self._fail(f"rank {self._shown(peer)} aborted: {self._reason(peer)}")
+                reason = self._reason(peer)
+                if reason.startswith(MISMATCH_SAID):  # the group's board found it: say what it said
+                    self.mark_broken(reason)
+                    raise explained(reason, self._where())
+                self._fail(f"rank {self._shown(peer)} aborted: {reason}")
             if self.control[peer, REJECTED] == self.current_call >= 0:
                 self._fail(f"rank {self._shown(peer)} refused this call: {self._reason(peer)}", PeerRefusedError)
         said = self.refused() if self.refused is not None else None
