@@ -124,6 +124,16 @@ def mismatch_that_waits(kind: str, odd_ranks: list[int], late_rank: int = -1, la
     return report
 
 
+def sizes_differ_on_gloo() -> dict:
+    """Rank 0 all-reduces 10 elements and rank 1 eleven, without SMDDP_CHECK_COLLECTIVES: gloo
+    aborts rank 0 (it received more than it posted); rank 1 reports its call and the next one."""
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    report = {"call": _error_of(lambda: dist.all_reduce(torch.ones(10 + rank)))}
+    report["next"] = _usable_after_error()
+    return report
+
+
 def slow_rank_matching_calls(slow_s: float = 1.4) -> dict:
     """The last rank makes each call ``slow_s`` after its peers, so they wait in it long enough to
     compare signatures through the store; the calls match, so every one must complete, with the

@@ -178,6 +178,21 @@ def test_a_rank_arriving_after_its_peers_found_a_mismatch_is_told():
         assert error["seconds"] < 10, (rank, error)
 
 
+def test_gloo_sizes_that_differ_abort_one_rank_and_the_other_is_told_what_to_look_for():
+    """Not found by waiting: gloo aborts the rank that receives more bytes than it posted before
+    anyone waits. The other rank can only see a closed connection in its next call; its error
+    must say what the aborted rank's output shows when that is the cause, and how to be told."""
+    aborted, survivor = harness.launch("tests.programs:sizes_differ_on_gloo", 2, env={"SMDDP_TRANSPORT": "gloo"})
+    assert aborted.returncode != 0, aborted
+    assert "Received data size doesn't match expected size" in aborted.output, aborted.output
+    assert survivor.returncode == 0, survivor
+    error = survivor.value["next"]
+    assert "PeerFailureError" in error and "by peer" in error, error
+    for words in ("Received data size doesn't match expected size", "ranks called collectives of different sizes",
+                  "SMDDP_CHECK_COLLECTIVES=1"):
+        assert words in error, (words, error)
+
+
 @pytest.mark.parametrize("transport", sorted(WAITING_MISMATCH_LAUNCHES))
 def test_a_slow_rank_whose_calls_match_is_not_taken_for_a_mismatch(transport):
     """Waits that last over a second compare the ranks' calls; calls that match, including one of

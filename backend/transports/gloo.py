@@ -28,6 +28,14 @@ _TORCH_OP = {
 
 _SLICE_ENDED = "Operation timed out!"  # what c10d's Work.wait(timeout) raises when the bound passes
 
+# Gloo aborts a rank that receives more bytes than it posted (ranks calling collectives of
+# different sizes); the peer that sent them may finish its call without an error, and learns in
+# its next one only that the connection closed. Nothing reaches this rank to tell the two apart.
+_PEER_GONE_HINT = (" (a peer's process ended. If its output shows gloo's \"Received data size doesn't match "
+                   "expected size\", ranks called collectives of different sizes: gloo aborted that rank, and "
+                   "this rank's earlier result may be wrong. SMDDP_CHECK_COLLECTIVES=1 makes every rank raise "
+                   "naming each rank's call instead, before any data moves.)")
+
 
 class _SliceEnded(Exception):
     """A bounded wait for gloo work ended before the work did."""
@@ -76,7 +84,8 @@ class GlooTransport(Transport):
             if said is not None:
                 raise explained(said, self.where(op)) from exc
             # Gloo's own text names the peer and the socket error
-            raise PeerFailureError(f"{self.where(op)} gloo failed: {exc}") from exc
+            hint = _PEER_GONE_HINT if "by peer" in str(exc) else ""
+            raise PeerFailureError(f"{self.where(op)} gloo failed: {exc}{hint}") from exc
 
     def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
         self.all_reduce_async(tensor, op)()
