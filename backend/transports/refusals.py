@@ -218,14 +218,7 @@ class RefusalBoard:
                 clash = self.mismatch_in(call)
                 if clash is not None:
                     return clash
-            news = self._store.add(NEWS_KEY, 0)
-            if news == self._news_seen:
-                return None
-            # read after the count: every refusal or failure it counts has written its keys
-            said = self._news_for(call)
-            if said is None:
-                self._news_seen = news
-            return said
+            return self._read_news(call)
         except (RuntimeError, OSError):  # DistStoreError and socket errors
             return None
 
@@ -234,11 +227,19 @@ class RefusalBoard:
         connection closed), looked up at once: a refusal, failure or mismatch that a peer posted
         before it left, or None (nothing posted, or the store cannot be reached)."""
         try:
-            if self._store.add(NEWS_KEY, 0) == self._news_seen:
-                return None
-            return self._news_for(call)
+            return self._read_news(call)
         except (RuntimeError, OSError):
             return None
+
+    def _read_news(self, call: int) -> str | None:
+        news = self._store.add(NEWS_KEY, 0)
+        if news == self._news_seen:
+            return None
+        # read after the count: every refusal, failure or mismatch it counts has written its keys
+        said = self._news_for(call)
+        if said is None:
+            self._news_seen = news
+        return said
 
     def _news_for(self, call: int) -> str | None:
         """What the group's refusal, failure and mismatch keys say to a rank waiting in call ``call``."""

@@ -130,15 +130,13 @@ class ShmSegment:
             if self.control[peer, BROKEN]:
                 reason = self._reason(peer)
                 if reason.startswith(MISMATCH_SAID):  # the group's board found it: say what it said
-                    self.mark_broken(reason)
-                    raise explained(reason, self._where())
+                    self._fail_as_told(reason)
                 self._fail(f"rank {self._shown(peer)} aborted: {reason}")
             if self.control[peer, REJECTED] == self.current_call >= 0:
                 self._fail(f"rank {self._shown(peer)} refused this call: {self._reason(peer)}", PeerRefusedError)
         said = self.refused() if self.refused is not None else None
         if said is not None:  # a rank on another host, seen by the whole group (hierarchical)
-            self.mark_broken(said)
-            raise explained(said, self._where())
+            self._fail_as_told(said)
         pid = int(self.control[waiting_for, PID])
         if pid and not _alive(pid):
             self._fail(f"rank {self._shown(waiting_for)} (pid {pid}) died")
@@ -162,6 +160,11 @@ class ShmSegment:
             f"{self._where()} {what}. This process group can no "
             "longer be used; restart the job (or destroy and re-create the group)."
         )
+
+    def _fail_as_told(self, said: str) -> None:
+        """Leave the call for what the group's refusal board said (refusals.explained's error)."""
+        self.mark_broken(said)
+        raise explained(said, self._where())
 
     def mark_broken(self, reason: str) -> None:
         """Tell every peer, now and in later calls, that this rank has left the protocol."""
