@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .errors import PeerRefusedError, RecoverableMismatchError, where
 from .ops import LOW_PRECISION, RedOp, as_sum, flat_view, moved_as_bytes
 from .scratch import DEFAULT_MAX_BYTES, Scratch
-from .signatures import REDUCE_ROOT_FACTOR, describe, signature
+from .signatures import REDUCE_ROOT_FACTOR, mismatch_said, signature
 from .transports.base import Transport, overlap
 
 _BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
@@ -140,12 +140,9 @@ class Collectives:
                             f"the same collective failed: {exc}") from exc
         if all(s == mine for s in everyone):
             return
-        seen = "; ".join(f"rank {r}: {describe(s)}" for r, s in enumerate(everyone))
-        raise RecoverableMismatchError(
-            f"{where(self.rank, self.world_size, op)} ranks called different collectives ({seen}). Every "
-            "rank must call the same collectives in the same order with tensors of the same size and dtype. "
-            f"{_STILL_USABLE}"
-        )
+        call = self.transport.call_index
+        said = mismatch_said([(r, call, s) for r, s in enumerate(everyone)])
+        raise RecoverableMismatchError(f"{where(self.rank, self.world_size, op)} {said} {_STILL_USABLE}")
 
     def _needs_float32(self, dtype: torch.dtype, op: RedOp | None) -> bool:
         """16-bit floats go over the wire as float32 when the transport cannot accumulate them in

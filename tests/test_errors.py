@@ -61,6 +61,14 @@ def test_bad_input_raises_on_every_rank_and_group_stays_usable(transport):
             assert error["usable_after"], f"rank {rank}: group unusable after {case}"
 
 
+MISMATCH_HINTS = {  # where a mismatch's message tells the user to look, by what differs (the default: sizes)
+    "op": "look for a collective that only some ranks call",
+    "all_gather_paths": "Some ranks passed split sizes (or output tensors of different sizes) and others did not",
+    "dtype": "Every rank must pass tensors of the same dtype to a collective: look for a cast",
+    "moved_dtype": "Every rank must pass tensors of the same dtype to a collective: look for a cast",
+}
+
+
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
 @pytest.mark.parametrize("kind", ["size", "dtype", "op", "moved_dtype", "all_gather_sizes", "all_gather_paths",
                                   "premul_all_reduce_size", "premul_reduce_size"])
@@ -87,7 +95,11 @@ def test_mismatched_calls_raise_on_every_rank(transport, kind):
             assert f"[smddp rank {rank}/2 " in error["message"] and "all_gather" in error["message"], error["message"]
             assert "output tensor p must have as many elements as rank p's input" in error["message"], error["message"]
         else:
-            assert "rank 0:" in error["message"] and "rank 1:" in error["message"], error["message"]
+            # both ranks' calls, as the check and the waiting ranks' look name them, and where to look
+            sizes = "Every rank must pass tensors of the same size to a collective: look for a tensor whose shape"
+            for words in ("called different collectives as call #1 of this group: rank 0: ", "; rank 1: ",
+                          MISMATCH_HINTS.get(kind, sizes)):
+                assert words in error["message"], (rank, words, error["message"])
         if kind in ("dtype", "moved_dtype"):  # named, not as the codes that travel
             for name in (("float32", "float64") if kind == "dtype" else ("float8_e4m3fn", "uint8")):
                 assert f"dtype={name}" in error["message"], error["message"]
@@ -106,20 +118,25 @@ def test_ranks_of_one_host_passing_different_dtypes_to_a_hierarchical_all_gather
         error = reports[rank]
         assert error["type"] == "CollectiveMismatchError", (rank, error)
         assert "can no longer be used" in error["usable_after"], (rank, error)
-        for words in ("rank 2: call #1 all_gather(numel=16, dtype=uint8", "rank 3: call #1 all_gather(16 bytes, "
-                      "dtype=float8_e4m3fn", f"[smddp rank {rank}/4 "):
+        for words in ("as call #1 of this group: rank 2: all_gather(numel=16, dtype=uint8)",
+                      "rank 3: all_gather(numel=16, dtype=float8_e4m3fn)", f"[smddp rank {rank}/4 "):
             assert words in error["message"], error["message"]
         assert error["seconds"] < 30, error
 
 
 def _waiting_mismatch_words(kind: str, world: int) -> list[str]:
-    """What the error must say each side called, for programs.WAITING_MISMATCHES[kind]."""
+    """What the error must say each side called, for programs.WAITING_MISMATCHES[kind], and where
+    it must tell the user to look."""
+    extra_call = "look for a collective that only some ranks call (under `if rank == 0:`"
     return {
-        "op": ["all_reduce(numel=10, dtype=float32, op=SUM)", "broadcast(numel=10, dtype=float32, root=0)"],
-        "extra_call": ["all_reduce(numel=1, dtype=float32, op=SUM)", "barrier()"],
-        "root": ["broadcast(numel=10, dtype=float32, root=0)", "broadcast(numel=10, dtype=float32, root=1)"],
+        "op": ["all_reduce(numel=10, dtype=float32, op=SUM)", "broadcast(numel=10, dtype=float32, root=0)",
+               extra_call],
+        "extra_call": ["all_reduce(numel=1, dtype=float32, op=SUM)", "barrier()", extra_call],
+        "root": ["broadcast(numel=10, dtype=float32, root=0)", "broadcast(numel=10, dtype=float32, root=1)",
+                 "Every rank must pass the same root and reduce op"],
         "all_to_all_splits": ["all_to_all(with split sizes, dtype=float32)",
-                              f"all_to_all(numel={2 * world}, dtype=float32)"],
+                              f"all_to_all(numel={2 * world}, dtype=float32)",
+                              "Some ranks passed split sizes (or output tensors of different sizes) and others"],
     }[kind]
 
 
@@ -158,7 +175,7 @@ def test_ranks_waiting_in_different_calls_raise_without_the_check(transport, kin
         assert error["type"] == "CollectiveMismatchError", (rank, error)
         assert error["backend_error"], "must be a torch DistBackendError"
         for words in [f"[smddp rank {rank}/{world} ", "called different collectives as call #1",
-                      "only some ranks call", *_waiting_mismatch_words(kind, world)]:
+                      *_waiting_mismatch_words(kind, world)]:
             assert words in error["message"], (rank, words, error["message"])
         assert "can no longer be used" in error["usable_after"], (rank, error)
         assert error["seconds"] < 10, (rank, error)

@@ -171,7 +171,9 @@ def test_ranks_waiting_in_different_calls_find_it_and_every_rank_hears_it():
     said = boards[1].mismatch_in(5)
     assert said == ("ranks called different collectives as call #5 of this group, and each waits for the others "
                     "in it: rank 0: all_reduce(numel=10, dtype=float32, op=SUM); "
-                    "rank 1: broadcast(numel=10, dtype=float32, root=0)"), said
+                    "rank 1: broadcast(numel=10, dtype=float32, root=0). Every rank must call the same collectives in "
+                    "the same order: look for a collective that only some ranks call (under `if rank == 0:`, or in a "
+                    "loop that runs a different number of times on some ranks)."), said
     assert boards[1].mismatch_in(5) is None  # once per step of a call
     # announced to the group: the rank it compared with, and a rank waiting in another call
     assert _hear(boards[0], 5) == said

@@ -38,7 +38,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..errors import CollectiveMismatchError, PeerFailureError, PeerRefusedError, SMDDPError
-from ..signatures import describe
+from ..signatures import MISMATCH_SAID, mismatch_said
 
 log = logging.getLogger("smddp_lite")
 
@@ -61,8 +61,9 @@ call's wait instead."""
 FAILED_IN_CALL, FAILED_KEY = "failed in call", "failed"
 """What a failure's announcement says after the rank's number, and its key: one for the whole
 group, since the peers may have left the failed call and be waiting in a later one."""
-MISMATCH_SAID, MISMATCH_KEY = "ranks called different collectives", "mismatch"
-"""How a mismatch's announcement starts, and its key: one for the whole group, as a failure's."""
+MISMATCH_KEY = "mismatch"
+"""The key of a mismatch's announcement (signatures.mismatch_said's words): one for the whole
+group, as a failure's."""
 MISMATCH_LOOK_AFTER_S = 1.0
 """How long a wait in a call lasts (from its first look) before it posts and compares the
 signature of the step it waits in: one store round trip, once per step of a call that waits that
@@ -191,9 +192,7 @@ class RefusalBoard:
     def _announce_mismatch(self, call: int, peer: int, theirs: list[int], mine: list[int]) -> str:
         """Tell the group, and return, what differs; the first announcement stays, so that every
         rank names the same pair of calls (several pairs may differ when several ranks do)."""
-        calls = sorted([(peer, theirs), (self.rank, mine)])
-        said = (f"{MISMATCH_SAID} as call #{call} of this group, and each waits for the others in it: "
-                + "; ".join(f"rank {r}: {describe(s)}" for r, s in calls))
+        said = mismatch_said([(peer, call, theirs), (self.rank, call, mine)], waiting=True)
         said = self._store.compare_set(MISMATCH_KEY, "", said).decode(errors="replace")
         self._store.add(NEWS_KEY, 1)  # after the key it announces
         return said
@@ -282,12 +281,9 @@ def explained(said: str, prefix: str) -> SMDDPError:
     """The error a rank raises for what its group's board said (RefusalBoard.heard), after
     ``prefix`` (errors.where's), with what to do about it."""
     if said.startswith(MISMATCH_SAID):
-        return CollectiveMismatchError(
-            f"{prefix} {said}. Every rank must call the same collectives in the same order, with tensors of the "
-            "same size and dtype: look for a collective that only some ranks call (under `if rank == 0:`, or in a "
-            "loop that runs a different number of times on some ranks). The ranks are left inside different calls, "
-            "so this process group can no longer be used; fix the calls and restart the job (or destroy and "
-            "re-create the group)."
+        return CollectiveMismatchError(  # ``said`` says what differs and where to look (mismatch_said)
+            f"{prefix} {said} Ranks may be left inside these calls, so this process group can no longer be used; "
+            "fix the calls and restart the job (or destroy and re-create the group)."
         )
     if FAILED_IN_CALL in said:
         return PeerFailureError(

@@ -136,6 +136,8 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
         from .gloo import GlooTransport
 
         transport = GlooTransport(store, rank, world_size, timeout, config.scratch_max_bytes)
-    transport.refusals = RefusalBoard(store, rank, world_size, timeout)  # shared memory and the hierarchical transport have their own
+    # gloo's and MPI's waits hear of a peer's refusal or different call only through the store
+    # (shared memory has flags of its own; the hierarchical transport makes one for its parts)
+    transport.refusals = RefusalBoard(store, rank, world_size, timeout)
     transport.refusals.hears_failures = name == "mpi"  # an MPI error can stay on the rank that had it
     return transport, reason

@@ -17,24 +17,21 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum, dtype_name, dtype_of_code, moved_as_bytes, signature_code
+from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum, dtype_of_code, moved_as_bytes, signature_code
+from ..signatures import OPS, REDUCE_ROOT_FACTOR
 from .base import Transport, block_offsets
 from .shm_segment import ShmSegment
 
 ONE_SHOT_BYTES = 16 << 10  # all_reduce below this size uses one barrier (see all_reduce)
 
-_OP_CODES = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "reduce_scatter": 5,
-             "all_to_all": 6, "barrier": 7, "gather": 8, "scatter": 9, "all_to_all_v": 10, "split_sizes": 11,
-             "all_gather_v": 12}
-_OP_NAMES = {code: name for name, code in _OP_CODES.items()}
-
-
-def _describe(header: tuple[int, ...]) -> str:
-    seq, call, op, code, numel, arg = header
-    name = _OP_NAMES.get(op, f"op{op}")
-    dtype = dtype_of_code(code)
-    size = f"{numel} bytes" if dtype is not None and moved_as_bytes(dtype) else f"numel={numel}"
-    return f"call #{call} {name}({size}, dtype={dtype_name(dtype) if dtype else '-'}, arg={arg})"
+def _signature(header: tuple[int, ...]) -> list[int]:
+    """The call a header describes (signatures.py's form), in the user's elements: a header counts
+    the bytes moved for dtypes that travel as bytes (bool, float8, int16, ...)."""
+    _, _, op, code, numel, arg = header
+    dtype = dtype_of_code(code) if code else None
+    if dtype is not None and moved_as_bytes(dtype):
+        numel //= dtype.itemsize
+    return [op, code, numel, arg]
 
 
 class ShmTransport(Transport):
@@ -60,9 +57,9 @@ class ShmTransport(Transport):
         if self.seg.broken:
             self.seg._fail("an earlier collective failed on this rank")
         self.seq += 1
-        self.seg.current_call = self.call_index
-        self.seg.op_desc = f"{self.shown_op(op)}, call #{self.call_index}"
-        header = (self.seq, self.call_index, _OP_CODES[op], signature_code(self.carrying or dtype) if dtype else 0, numel, arg)
+        self.seg.current_call, self.seg.op_shown = self.call_index, self.shown_op(op)
+        code = signature_code(self.carrying or dtype) if dtype else 0
+        header = (self.seq, self.call_index, OPS[op], code, numel, arg)
         self.seg.publish_header(header)
         return header
 
@@ -70,7 +67,7 @@ class ShmTransport(Transport):
         """Barrier; on an op's first step also check that every rank called the same op."""
         self.seg.barrier()
         if header is not None:
-            self.seg.check_headers(header, _describe)
+            self.seg.check_headers(header, _signature)
 
     def _steps(self, numel: int, elem_bytes: int):
         """(start, stop) ranges of at most one chunk; at least one range, so empty ops still sync."""
@@ -148,7 +145,7 @@ class ShmTransport(Transport):
                 x.copy_(self.seg.slot(self.step, root, tensor.dtype)[: stop - start])
 
     def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
-        header = self._begin("reduce", tensor.dtype, tensor.numel(), root * 16 + int(op))
+        header = self._begin("reduce", tensor.dtype, tensor.numel(), root * REDUCE_ROOT_FACTOR + int(op))
         for start, stop in self._steps(tensor.numel(), tensor.element_size()):
             x, m = tensor[start:stop], stop - start
             if self.rank != root:

@@ -26,8 +26,9 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from ..errors import CollectiveMismatchError, PeerFailureError, PeerRefusedError, where
-from .refusals import MISMATCH_SAID, explained
+from ..errors import PeerFailureError, PeerRefusedError, where
+from ..signatures import MISMATCH_SAID, mismatch_said
+from .refusals import explained
 
 PHASE, PID, BROKEN, REJECTED = 0, 1, 2, 3
 HEADER = 4  # two headers of 6 fields: op seq, call index, op code, dtype code, numel, arg
@@ -65,7 +66,7 @@ class ShmSegment:
         self.control[rank, PID] = os.getpid()
         self.control[rank, REJECTED] = -1
         self.phase = 0
-        self.op_desc = "init"
+        self.op_shown = "init"  # the op this rank is in, as messages name it (the transport sets it)
         self.barrier()  # every pid and flag above is visible before the first collective
 
     # data ------------------------------------------------------------------------------------
@@ -79,19 +80,17 @@ class ShmSegment:
         base = HEADER + (header[0] % 2) * len(HEADER_FIELDS)
         self.control[self.rank, base : base + len(HEADER_FIELDS)] = header
 
-    def check_headers(self, header: tuple[int, ...], describe) -> None:
-        """After the first barrier of an op: every rank published the same header, or all raise."""
+    def check_headers(self, header: tuple[int, ...], signature_of) -> None:
+        """After the first barrier of an op: every rank published the same header, or all raise
+        (each rank reads every header, so each finds it itself). ``signature_of``: a header's call
+        in signatures.py's form, for the message."""
         base = HEADER + (header[0] % 2) * len(HEADER_FIELDS)
         headers = self.control[:, base : base + len(HEADER_FIELDS)]
         if (headers == np.asarray(header, dtype=np.int64)).all():
             return
-        lines = "; ".join(f"rank {self._shown(r)}: {describe(tuple(int(v) for v in h))}" for r, h in enumerate(headers))
+        calls = [(self._shown(r), int(h[1]), signature_of(tuple(int(v) for v in h))) for r, h in enumerate(headers)]
         self.broken = True
-        raise CollectiveMismatchError(
-            f"{self._where()} ranks called different collectives "
-            f"({lines}). Every rank must call the same collectives in the same order with tensors "
-            "of the same size and dtype; this process group can no longer be used."
-        )
+        raise explained(mismatch_said(calls), self._where(numbered=False))
 
     # control plane ---------------------------------------------------------------------------
     broken = False
@@ -150,9 +149,11 @@ class ShmSegment:
         """Rank ``r`` of this segment as messages name it: the user's rank."""
         return self.peers_shown[r] if self.peers_shown else r
 
-    def _where(self) -> str:
-        """The prefix of the segment's errors, naming the rank as the user's group numbers it."""
-        return where(*(self.shown_as or (self.rank, self.world_size)), self.op_desc)
+    def _where(self, numbered: bool = True) -> str:
+        """The prefix of the segment's errors, naming the rank as the user's group numbers it, and
+        the call (not when the message itself names it: what the refusal board said does)."""
+        op = f"{self.op_shown}, call #{self.current_call}" if numbered and self.current_call >= 0 else self.op_shown
+        return where(*(self.shown_as or (self.rank, self.world_size)), op)
 
     def _fail(self, what: str, error: type[PeerFailureError] = PeerFailureError) -> None:
         self.mark_broken(what)
@@ -164,7 +165,7 @@ class ShmSegment:
     def _fail_as_told(self, said: str) -> None:
         """Leave the call for what the group's refusal board said (refusals.explained's error)."""
         self.mark_broken(said)
-        raise explained(said, self._where())
+        raise explained(said, self._where(numbered=False))
 
     def mark_broken(self, reason: str) -> None:
         """Tell every peer, now and in later calls, that this rank has left the protocol."""
