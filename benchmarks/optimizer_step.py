@@ -7,7 +7,9 @@ Compares, for AdamW with float32 parameters and state, loss scaling and clipping
 Each round times every variant once, alternating, so noise hits all alike. Reports median
 [p20, p80], effective GB/s counted by the 28 bytes per parameter an AdamW step must move (read
 grad, param, exp_avg, exp_avg_sq; write the last three), and that as a percentage of this
-device's measured copy bandwidth.
+device's measured copy bandwidth. With a loss scale or clipping, as here, every variant also
+writes the unscaled, clipped gradient back into .grad (4 bytes more), as torch.optim scripts
+leave it; the floor stays 28.
 
     python benchmarks/optimizer_step.py --params 1M,8M,32M                # CPU
     python benchmarks/optimizer_step.py --device cuda --params 125M,350M,1B

@@ -141,6 +141,45 @@ def test_user_unscale_before_step_with_max_grad_norm_clips_the_unscaled_norm():
     _compare(compiled, eager, losses_c, losses_e)
 
 
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+@pytest.mark.parametrize("name", ["adamw", "adam_l2", "sgd_momentum"])
+@pytest.mark.parametrize("scaled, clip", [(True, None), (False, 0.3), (True, 0.3), (False, None)],
+                         ids=["scaler", "clip", "scaler+clip", "neither"])
+def test_grads_after_step_are_unscaled_and_clipped_as_torchs(monkeypatch, path, name, scaled, clip):
+    """After step() ``.grad`` holds what a torch.optim script leaves there: unscaled
+    (GradScaler.unscale_, or torch's fused step given grad_scale) and clipped (clip_grad_norm_).
+    ``triton``: the fused kernels run the compiled step (in Triton's interpreter without a GPU),
+    as they do on CUDA; they left the gradient scaled."""
+    if path == "triton":
+        pytest.importorskip("triton")
+        for module in ("adam", "sgd"):
+            monkeypatch.setattr(f"smddp_lite.kernels.{module}.use_triton", lambda device, force, dtype: True)
+    eager = _model()
+    model = copy.deepcopy(eager)
+    make = OPTIMIZERS[name]
+    opt_e = make(eager.parameters())
+    compiled, opt_c = smddp_lite.compile(model, make(model.parameters()), max_grad_norm=clip)
+    scaler_e, scaler_c = (torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=scaled) for _ in range(2))
+    losses = {"eager": [], "compiled": []}
+    for step, (x, y) in enumerate(_batches(3)):
+        for net, opt, scaler, clips in ((eager, opt_e, scaler_e, clip), (compiled, opt_c, scaler_c, None)):
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            losses["eager" if net is eager else "compiled"].append(loss.item())
+            scaler.scale(loss).backward()
+            if clips is not None:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clips, foreach=True)
+            scaler.step(opt)
+            scaler.update()
+        for (pname, a), b in zip(compiled.module.named_parameters(), eager.parameters()):
+            # float32; 1/scale multiplies where torch divides, and the clipping coefficient
+            # comes from a norm summed in another order: ulps
+            torch.testing.assert_close(a.grad, b.grad, rtol=2e-5, atol=1e-7, msg=lambda m: f"step {step} {pname}: {m}")
+        opt_e.zero_grad()
+        opt_c.zero_grad()
+    _compare(compiled, eager, losses["compiled"], losses["eager"])
+
+
 @pytest.mark.parametrize("name", ["adamw", "adam_l2", "sgd_nesterov"])
 def test_float64_models_update_in_float64(name):
     """A float64 model's update matches torch.optim's to float64 rounding, clipping included:

@@ -38,12 +38,14 @@ def _streams(n: int, dtype: torch.dtype, k: int, seed: int):
 @pytest.mark.parametrize("step", [1.0, 7.0])
 def test_adam_kernel_matches_reference(dtype, n, decoupled, step):
     p, g, m, v = _streams(n, dtype, 4, seed=n)
-    ref = [t.clone() for t in (p, m, v)]
+    ref = [t.clone() for t in (p, g, m, v)]
     hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=decoupled, **_scalars(step))
+    want_grad = (g.float() * 0.5).to(dtype)  # both leave the gradient times scale (unscaled, clipped)
     adam_step(p, g, m, v, force_triton=True, **hyper)
-    adam_reference(ref[0], g, ref[1], ref[2], **hyper)
-    for got, want in zip((p, m, v), ref):
+    adam_reference(*ref, **hyper)
+    for got, want in zip((p, g, m, v), ref):
         torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(g, want_grad) and torch.equal(ref[1], want_grad)
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
@@ -53,12 +55,39 @@ def test_adam_kernel_matches_reference(dtype, n, decoupled, step):
 @pytest.mark.parametrize("step", [1.0, 3.0])
 def test_sgd_kernel_matches_reference(dtype, n, momentum, dampening, nesterov, step):
     p, g, buf = _streams(n, dtype, 3, seed=n + 1)
-    ref_p, ref_buf = p.clone(), buf.clone()
+    ref_p, ref_g, ref_buf = p.clone(), g.clone(), buf.clone()
     hyper = dict(momentum=momentum, dampening=dampening, weight_decay=0.01, nesterov=nesterov, **_scalars(step))
+    want_grad = (g.float() * 0.5).to(dtype)
     sgd_step(p, g, buf, force_triton=True, **hyper)
-    sgd_reference(ref_p, g, ref_buf, **hyper)
+    sgd_reference(ref_p, ref_g, ref_buf, **hyper)
     torch.testing.assert_close(p, ref_p, **TOL[dtype])
     torch.testing.assert_close(buf, ref_buf, **TOL[dtype])
+    assert torch.equal(g, want_grad) and torch.equal(ref_g, want_grad)
+
+
+@pytest.mark.parametrize("family", ["adamw", "sgd_momentum"])
+@pytest.mark.parametrize("force_triton", [True, False, None], ids=["kernel", "reference", "cpu-path"])
+def test_unit_scale_leaves_the_gradient_unwritten_and_the_update_unchanged(family, force_triton):
+    """unit_scale (no loss scale, no clipping: scale is 1) skips the gradient's write-back, which
+    would write what is there; the update is the one a written-back step of scale 1 makes."""
+    if force_triton is None and DEVICE != "cpu":
+        pytest.skip("the CPU path (torch's fused kernels) serves CPU tensors")
+    p, g, m, v = _streams(1823, torch.bfloat16, 4, seed=9)
+    g_before = g.clone()
+    runs = []
+    for unit_scale in (True, False):
+        state = [t.clone() for t in (p, g, m, v)]
+        scalars = _scalars(3.0, scale=1.0)
+        if family == "adamw":
+            adam_step(*state, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
+                      unit_scale=unit_scale, force_triton=force_triton, **scalars)
+        else:
+            sgd_step(state[0], state[1], state[2], momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False,
+                     unit_scale=unit_scale, force_triton=force_triton, **scalars)
+        runs.append(state)
+    for unit, written in zip(*runs):
+        assert torch.equal(unit, written)
+    assert torch.equal(runs[0][1], g_before)
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
@@ -74,35 +103,38 @@ def test_the_cpu_path_matches_the_reference(dtype, family):
     # lr 0.1: steps large enough to move every bfloat16 parameter; torch's fused kernels write
     # the unscaled gradient back, so each update gets its own
     scalars = {k: t.cpu() for k, t in _scalars(3.0, lr=0.1).items()}
+    g_fused, g_ref = g.clone(), g.clone()
     if family == "adamw":
         hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, **scalars)
-        adam_step(p, g.clone(), m, v, **hyper)
-        adam_reference(ref_p, g.clone(), ref_m, ref_v, **hyper)
+        adam_step(p, g_fused, m, v, **hyper)
+        adam_reference(ref_p, g_ref, ref_m, ref_v, **hyper)
     else:
         hyper = dict(momentum=0.9 if family == "sgd_momentum" else 0.0, dampening=0.0, weight_decay=0.01,
                      nesterov=False, **scalars)
-        sgd_step(p, g.clone(), m, **hyper)
-        sgd_reference(ref_p, g.clone(), ref_m, **hyper)
+        sgd_step(p, g_fused, m, **hyper)
+        sgd_reference(ref_p, g_ref, ref_m, **hyper)
     assert (p != start).float().mean() > 0.9, "the update left most parameters unchanged"
     # float32: torch's kernel orders its operations its own way, a few ulps of a 0.1-sized step
     tol = dict(rtol=1e-4, atol=1e-5) if dtype is torch.float32 else TOL[dtype]
     torch.testing.assert_close(p, ref_p, **tol)
     torch.testing.assert_close(m, ref_m, **tol)
+    # torch divides by 1/scale where the reference multiplies by scale: equal for scale 0.5
+    assert torch.equal(g_fused, (g.float() * 0.5).to(dtype)) and torch.equal(g_ref, g_fused)
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "reference"])
 def test_found_inf_leaves_everything_untouched(use_kernel):
     p, g, m, v = _streams(257, torch.float32, 4, seed=3)
-    before = [t.clone() for t in (p, m, v)]
+    before = [t.clone() for t in (p, g, m, v)]
     adam_step(p, g, m, v, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
               force_triton=use_kernel, **_scalars(2.0, found_inf=1.0))
-    for got, want in zip((p, m, v), before):
+    for got, want in zip((p, g, m, v), before):
         assert torch.equal(got, want)
     p, g, buf = _streams(257, torch.float32, 3, seed=4)
-    before = [p.clone(), buf.clone()]
+    before = [p.clone(), g.clone(), buf.clone()]
     sgd_step(p, g, buf, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
              force_triton=use_kernel, **_scalars(2.0, found_inf=1.0))
-    assert torch.equal(p, before[0]) and torch.equal(buf, before[1])
+    assert all(torch.equal(got, want) for got, want in zip((p, g, buf), before))
 
 
 def test_float64_updates_take_the_reference_in_float64():

@@ -132,6 +132,10 @@ class CompiledOptimizer(torch.optim.Optimizer):
         if inner is not None:  # what a scheduler made on it looks for, to tell step order apart
             inner._opt_called = True
         scale, found_inf = self._grad_multiplier()
+        # known on the host: without a loss scale or clipping the gradient is left as it is (with
+        # either, the update writes it back unscaled and clipped, as torch's fused steps and
+        # GradScaler.unscale_ + clip_grad_norm_ leave .grad)
+        unit_scale = getattr(self, "grad_scale", None) is None and self.max_grad_norm is None
         for b, state, step in zip(self.buckets, self.flat_state, self.steps):
             group = self.param_groups[b.group]
             compute = arithmetic_dtype(b.dtype)
@@ -146,7 +150,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
                     self._has_state[b.index] = True
                     self._publish_state(b)
             common = dict(lr=lr, step=step, scale=scale.to(b.device, compute),
-                          found_inf=found_inf.to(b.device, compute))
+                          found_inf=found_inf.to(b.device, compute), unit_scale=unit_scale)
             if self.family == "sgd":
                 sgd_step(b.param_flat, b.grad_flat, state.get("momentum_buffer"), momentum=group["momentum"],
                          dampening=group["dampening"], weight_decay=group["weight_decay"],

@@ -3,7 +3,10 @@
 Per element it reads grad, param, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq:
 28 bytes per float32 parameter, the floor for an Adam step. The gradient is multiplied by
 ``scale`` (1 / loss scale x clipping coefficient) on the way in, so unscaling and clipping cost
-no pass of their own. ``lr``, ``step``, ``scale`` and ``found_inf`` are device tensors: a
+no pass of their own; that gradient is written back (32 bytes), as torch's fused kernels and
+GradScaler.unscale_ + clip_grad_norm_ leave ``.grad`` unscaled and clipped, unless the caller
+knows ``scale`` is 1 (``unit_scale``: no loss scale, no clipping), where it would write what is
+there. ``lr``, ``step``, ``scale`` and ``found_inf`` are device tensors: a
 scheduler changing the learning rate changes a value, not the compiled kernel, and nothing
 waits on the host. A step with ``found_inf`` != 0 changes nothing (the caller leaves ``step``
 where it was).
@@ -28,7 +31,7 @@ if triton is not None:
     def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr,
                      lr_ptr, step_ptr, scale_ptr, found_inf_ptr,
                      n, beta1, beta2, eps, weight_decay,
-                     DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
+                     DECOUPLED: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets: buckets may pass 2**31 elements
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         found_inf = tl.load(found_inf_ptr)
@@ -42,6 +45,8 @@ if triton is not None:
         g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32) * scale
         m = tl.load(exp_avg_ptr + offs, mask=mask).to(tl.float32)
         v = tl.load(exp_avg_sq_ptr + offs, mask=mask).to(tl.float32)
+        if WRITE_GRAD:  # the unscaled, clipped gradient, before Adam's L2 term joins it
+            tl.store(grad_ptr + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
         if DECOUPLED:  # AdamW: decay the weights themselves
             p = p * (1.0 - lr * weight_decay)
@@ -60,13 +65,16 @@ if triton is not None:
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, beta1, beta2, eps,
-              weight_decay, decoupled, force_triton: bool | None = None) -> None:
-    """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (flat, same length) in place.
+              weight_decay, decoupled, unit_scale: bool = False, force_triton: bool | None = None) -> None:
+    """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (flat, same length) in place, and leave
+    ``grad`` multiplied by ``scale``.
 
     Args:
         lr, step, scale, found_inf: 1-element tensors on the buffers' device, float32 (float64
             for float64 parameters); ``step`` already counts this step.
         decoupled: True for AdamW's weight decay, False for Adam's L2 penalty.
+        unit_scale: the caller knows ``scale`` is 1, so ``grad`` is not written (a host-side
+            fact: no GradScaler and no clipping; reading ``scale`` would wait on the device).
         force_triton: None picks Triton on CUDA, torch's fused CPU kernel on the CPU (else the
             reference); True forces the Triton kernel (tests run it on CPU tensors with
             TRITON_INTERPRET=1), False the reference.
@@ -82,7 +90,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
                                   maximize=False, grad_scale=scale.reciprocal(), found_inf=found_inf)
             return
         adam_reference(param, grad, exp_avg, exp_avg_sq, lr=lr, step=step, scale=scale, found_inf=found_inf,
-                       beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+                       beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+                       unit_scale=unit_scale)
         return
     if triton is None:
         raise ImportError("adam_step: Triton is not installed; pip install triton")
@@ -91,11 +100,11 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
     grid = (triton.cdiv(n, BLOCK),)
     _adam_kernel[grid](param, grad, exp_avg, exp_avg_sq, lr, step, scale, found_inf,
                        n, float(beta1), float(beta2), float(eps), float(weight_decay),
-                       DECOUPLED=bool(decoupled), BLOCK=BLOCK)
+                       DECOUPLED=bool(decoupled), WRITE_GRAD=not unit_scale, BLOCK=BLOCK)
 
 
 def adam_reference(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, beta1, beta2, eps,
-                   weight_decay, decoupled) -> None:
+                   weight_decay, decoupled, unit_scale: bool = False) -> None:
     """The same update in plain torch ops (the CPU path and the kernel's oracle).
 
     Reads grad, param, exp_avg, exp_avg_sq once each in the math below, but torch runs each op
@@ -107,6 +116,7 @@ def adam_reference(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_i
     keep = None if skip is not None else found_inf == 0  # masks the writes on an accelerator
     compute = arithmetic_dtype(param.dtype)
     g = grad.to(compute) * scale
+    writes = [] if unit_scale else [(grad, g)]  # the unscaled, clipped gradient, before the L2 term
     p = param.to(compute)
     if decoupled:
         p = p * (1.0 - lr * weight_decay)
@@ -117,5 +127,5 @@ def adam_reference(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_i
     bias1 = 1.0 - beta1 ** step
     bias2 = 1.0 - beta2 ** step
     p = p - (lr / bias1) * m / (v.sqrt() / bias2.sqrt() + eps)
-    for dst, src in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
+    for dst, src in (*writes, (param, p), (exp_avg, m), (exp_avg_sq, v)):
         dst.copy_(src if keep is None else torch.where(keep, src, dst.to(compute)))

@@ -1,7 +1,8 @@
 """Fused SGD update (momentum, dampening, Nesterov, weight decay) over one flat bucket.
 
 With momentum it reads grad, param, momentum_buffer and writes param, momentum_buffer: 20 bytes
-per float32 parameter; without, 12. The first step fills the momentum buffer with the gradient,
+per float32 parameter; without, 12. The gradient times ``scale`` (unscaled and clipped) is
+written back, 4 bytes more, unless the caller knows ``scale`` is 1 (see adam.py). The first step fills the momentum buffer with the gradient,
 as torch.optim.SGD does; ``step`` (a device tensor counting this step) tells the kernel which
 step it is, so no host branch is needed.
 """
@@ -24,7 +25,8 @@ if triton is not None:
     @triton.jit
     def _sgd_kernel(param_ptr, grad_ptr, buf_ptr, lr_ptr, step_ptr, scale_ptr, found_inf_ptr,
                     n, momentum, dampening, weight_decay,
-                    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                    BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         found_inf = tl.load(found_inf_ptr)
@@ -34,7 +36,10 @@ if triton is not None:
         scale = tl.load(scale_ptr)
 
         p = tl.load(param_ptr + offs, mask=mask).to(tl.float32)
-        g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32) * scale + weight_decay * p
+        g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32) * scale
+        if WRITE_GRAD:  # the unscaled, clipped gradient, before weight decay joins it
+            tl.store(grad_ptr + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
+        g = g + weight_decay * p
         if HAS_MOMENTUM:
             first = tl.load(step_ptr) == 1.0
             buf = tl.load(buf_ptr + offs, mask=mask).to(tl.float32)
@@ -48,13 +53,15 @@ if triton is not None:
 
 
 def sgd_step(param, grad, momentum_buffer, *, lr, step, scale, found_inf, momentum, dampening,
-             weight_decay, nesterov, force_triton: bool | None = None) -> None:
-    """Update ``param`` (and ``momentum_buffer`` when momentum != 0) in place.
+             weight_decay, nesterov, unit_scale: bool = False, force_triton: bool | None = None) -> None:
+    """Update ``param`` (and ``momentum_buffer`` when momentum != 0) in place, and leave ``grad``
+    multiplied by ``scale``.
 
     Args:
         momentum_buffer: flat like ``param``; ignored (may be None) when ``momentum`` is 0.
         lr, step, scale, found_inf: 1-element device tensors, float32 (float64 for float64
             parameters); ``step`` counts this step.
+        unit_scale: the caller knows ``scale`` is 1, so ``grad`` is not written (as adam_step).
     """
     streams = dict(param=param, grad=grad)
     if momentum != 0:
@@ -69,7 +76,8 @@ def sgd_step(param, grad, momentum_buffer, *, lr, step, scale, found_inf, moment
                               grad_scale=scale.reciprocal(), found_inf=found_inf)
             return
         sgd_reference(param, grad, momentum_buffer, lr=lr, step=step, scale=scale, found_inf=found_inf,
-                      momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+                      momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                      unit_scale=unit_scale)
         return
     if triton is None:
         raise ImportError("sgd_step: Triton is not installed; pip install triton")
@@ -78,11 +86,11 @@ def sgd_step(param, grad, momentum_buffer, *, lr, step, scale, found_inf, moment
     _sgd_kernel[(triton.cdiv(n, BLOCK),)](
         param, grad, momentum_buffer if momentum != 0 else param, lr, step, scale, found_inf,
         n, float(momentum), float(dampening), float(weight_decay),
-        HAS_MOMENTUM=momentum != 0, NESTEROV=bool(nesterov), BLOCK=BLOCK)
+        HAS_MOMENTUM=momentum != 0, NESTEROV=bool(nesterov), WRITE_GRAD=not unit_scale, BLOCK=BLOCK)
 
 
 def sgd_reference(param, grad, momentum_buffer, *, lr, step, scale, found_inf, momentum, dampening,
-                  weight_decay, nesterov) -> None:
+                  weight_decay, nesterov, unit_scale: bool = False) -> None:
     """The same update in plain torch ops (the CPU path and the kernel's oracle)."""
     skip = skipped_on_host(found_inf)
     if skip:
@@ -90,8 +98,9 @@ def sgd_reference(param, grad, momentum_buffer, *, lr, step, scale, found_inf, m
     keep = None if skip is not None else found_inf == 0
     compute = arithmetic_dtype(param.dtype)
     p = param.to(compute)
-    g = grad.to(compute) * scale + weight_decay * p
-    writes = []
+    g = grad.to(compute) * scale
+    writes = [] if unit_scale else [(grad, g)]  # the unscaled, clipped gradient, before weight decay
+    g = g + weight_decay * p
     if momentum != 0:
         buf = torch.where(step == 1.0, g, momentum * momentum_buffer.to(compute) + (1.0 - dampening) * g)
         writes.append((momentum_buffer, buf))
