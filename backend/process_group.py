@@ -213,6 +213,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             except dist.DistBackendError as exc:
                 self._failure = f"{where(self.rank(), self.size(), op)} an earlier collective failed: {exc}"
                 raise
+            except (KeyboardInterrupt, SystemExit) as exc:  # on a caller's thread that ran its call
+                self._failure = (f"{where(self.rank(), self.size(), op)} an earlier collective was interrupted "
+                                 f"({type(exc).__name__}) while its peers may still be in it")
+                raise
 
         return self._comm.submit(run, self._work(op, outputs))
 

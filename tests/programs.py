@@ -1293,3 +1293,26 @@ def subgroup_made_again() -> dict:
         sums.append(float(t[0]))
         dist.destroy_process_group()
     return {"sums": sums}
+
+
+def interrupted_call() -> dict:
+    """Rank 0 is sent SIGINT (Ctrl-C) 0.5 s into an all_reduce that rank 1 never joins, a call
+    rank 0 runs on its own thread (a plain wait): it must raise KeyboardInterrupt at once, as
+    before, not hang or turn it into a backend error, and refuse later calls."""
+    import signal
+    import threading
+
+    smddp_lite.init(timeout=timedelta(seconds=30))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(6)
+        os._exit(0)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1000))
+        raised = None
+    except BaseException as exc:  # noqa: BLE001 (KeyboardInterrupt is what is looked for)
+        raised = type(exc).__name__
+    return {"raised": raised, "seconds": time.monotonic() - start,
+            "next_call": _error_of(lambda: dist.all_reduce(torch.ones(10)))}

@@ -85,3 +85,86 @@ def test_works_python_drops_unasked_are_kept_for_cpp_but_not_without_bound():
     finally:
         gc.enable()
         work_module._ORPHANS.clear()
+
+
+def _queued(runner, record: list, name: str, gate=None):
+    """A Work submitted to ``runner`` whose call records (name, thread) after ``gate`` opens."""
+    import threading
+
+    from smddp_lite.backend.work import SMDDPWork
+
+    def call() -> None:
+        if gate is not None:
+            assert gate.wait(10), "the test's gate never opened"
+        record.append((name, threading.current_thread()))
+
+    return runner.submit(call, SMDDPWork(name, [], timedelta(seconds=10)))
+
+
+def test_a_caller_waiting_for_the_next_call_runs_it_itself_and_order_holds():
+    """A plain wait() for a call the communication thread has not started, and that is next,
+    runs it on the waiting thread (two thread wake-ups less per synchronous call); a call queued
+    behind another waits its turn, a wait with a bound of its own and a call nobody waits for run
+    on the communication thread, and every call runs once, in submission order."""
+    import threading
+
+    from smddp_lite.backend.work import CommThread
+
+    runner = CommThread("test-comm", inline=False)
+    me, record = threading.current_thread(), []
+    try:
+        # the communication thread is parked in a gated call, so nothing below starts early
+        gate = threading.Event()
+        first = _queued(runner, record, "first", gate)
+        while not runner._owner:  # it has taken "first"
+            threading.Event().wait(0.001)
+        second = _queued(runner, record, "second")
+        bounded = _queued(runner, record, "bounded")
+        threading.Timer(0.2, gate.set).start()
+        second.wait()  # not next while "first" runs: waits for the thread to run it
+        bounded.wait(timedelta(seconds=10))  # a bound of its own: left to the thread
+        assert [n for n, _ in record] == ["first", "second", "bounded"]
+        assert all(t is runner._thread for _, t in record), record
+
+        record.clear()
+        mine = _queued(runner, record, "mine")
+        mine.wait()
+        assert record == [("mine", me)], record
+
+        record.clear()
+        unwaited = _queued(runner, record, "unwaited")
+        for _ in range(10000):  # up to 10 s
+            if unwaited.is_completed():
+                break
+            threading.Event().wait(0.001)
+        assert record == [("unwaited", runner._thread)], record
+        assert first.is_completed() and bounded.is_completed()
+    finally:
+        runner.stop()
+    assert not runner._thread.is_alive()
+
+
+def test_stop_runs_the_calls_still_queued():
+    import threading
+
+    from smddp_lite.backend.work import CommThread
+
+    runner = CommThread("test-comm", inline=False)
+    record, gate = [], threading.Event()
+    works = [_queued(runner, record, "gated", gate)] + [_queued(runner, record, f"call {i}") for i in range(3)]
+    threading.Timer(0.2, gate.set).start()
+    runner.stop()
+    assert [n for n, _ in record] == ["gated", "call 0", "call 1", "call 2"]
+    assert all(w.is_completed() for w in works) and not runner._thread.is_alive()
+
+
+def test_ctrl_c_in_a_call_the_caller_runs_raises_keyboard_interrupt():
+    """A synchronous call runs on the caller's thread, where SIGINT lands: Ctrl-C must raise
+    KeyboardInterrupt within a gloo wait slice, as it did when the caller only waited, and the
+    group must refuse later calls (its peers may still be inside the interrupted one)."""
+    results = harness.launch("tests.programs:interrupted_call", 2, env={"SMDDP_TRANSPORT": "gloo"}, timeout=60)
+    report = results[0].value
+    assert report is not None, results[0].output[-3000:]
+    assert report["raised"] == "KeyboardInterrupt" and report["seconds"] < 2, report
+    assert report["next_call"]["backend_error"] and "interrupted (KeyboardInterrupt)" in report["next_call"]["message"], \
+        report
