@@ -166,5 +166,5 @@ def test_ctrl_c_in_a_call_the_caller_runs_raises_keyboard_interrupt():
     report = results[0].value
     assert report is not None, results[0].output[-3000:]
     assert report["raised"] == "KeyboardInterrupt" and report["seconds"] < 2, report
-    assert report["next_call"]["backend_error"] and "interrupted (KeyboardInterrupt)" in report["next_call"]["message"], \
-        report
+    refused = report["next_call"]
+    assert refused["backend_error"] and "interrupted (KeyboardInterrupt)" in refused["message"], report
