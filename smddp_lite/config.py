@@ -57,12 +57,16 @@ class BackendConfig:
     algorithm: str = "auto"
     """How all_reduce, all_gather and reduce_scatter cross hosts: "hierarchical" (inside each
     host first, then one balanced share per rank across hosts, the Herring/SMDDP scheme), "flat"
-    (one ring over all ranks), or "auto" (hierarchical on several hosts with equal rank counts
-    for messages of at least ``hierarchical_min_bytes``). Env: ``SMDDP_ALGORITHM``."""
+    (one ring over all ranks), or "auto" (hierarchical on several hosts with equal rank counts,
+    but for small rounded sums: see ``hierarchical_min_bytes``). Env: ``SMDDP_ALGORITHM``."""
 
     hierarchical_min_bytes: int = 256 << 10
-    """Smaller messages take the flat path under "auto": three phases cost more latency than they
-    save bandwidth. Env: ``SMDDP_HIERARCHICAL_MIN_BYTES``."""
+    """Under "auto", sums that the hierarchical path would round between hosts (16-bit inputs, or
+    float sums with ``inter_node_wire_dtype``) smaller than this take the flat path, summed in
+    float32 and rounded once: a loss or a count all-reduced for logging stays exact, and saving
+    bandwidth on small messages saves nothing. Every other call takes the hierarchical path at
+    every size: fewer steps cross hosts (measured 1.4-2.2x faster small all_reduces than the flat
+    ring). Env: ``SMDDP_HIERARCHICAL_MIN_BYTES``."""
 
     hierarchical_chunk_bytes: int = 4 << 20
     """A hierarchical all_reduce, reduce_scatter (input bytes) or all_gather (output bytes)

@@ -1316,3 +1316,26 @@ def interrupted_call() -> dict:
         raised = type(exc).__name__
     return {"raised": raised, "seconds": time.monotonic() - start,
             "next_call": _error_of(lambda: dist.all_reduce(torch.ones(10)))}
+
+
+def small_call_routes() -> dict:
+    """Small calls on simulated hosts under SMDDP_ALGORITHM=auto: which path each took (rank 0's
+    SMDDP_DEBUG log), and a count summed in float32 (exact in float32, not in bfloat16)."""
+    import logging
+
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("smddp_lite").addHandler(handler)
+    count = torch.tensor([1000.0 + rank + 0.5])  # 4 ranks: 4008.0, which bfloat16 rounds
+    dist.all_reduce(count)
+    gathered = torch.empty(world * 3)
+    dist.all_gather_into_tensor(gathered, torch.full((3,), float(rank)))
+    halves = torch.ones(64, dtype=torch.bfloat16)
+    dist.all_reduce(halves)
+    logging.getLogger("smddp_lite").removeHandler(handler)
+    dist.destroy_process_group()
+    return {"routes": [s for s in said if " runs " in s], "count": count.item(),
+            "gathered": gathered.tolist(), "halves": halves.float().unique().tolist()}
