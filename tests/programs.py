@@ -1190,6 +1190,12 @@ def ddp_uneven_inputs(base_steps: int = 5, divide_by_initial_world_size: bool = 
                 optim.step()
         result[f"{name}_seconds"] = time.monotonic() - started
         models[name] = ddp.module
+    # torch's own gloo group: its worker thread frees a finished call's tensors after the wait
+    # returns and needs the GIL for it, while freeing the DDP reducer joins that thread holding
+    # the GIL. Under load (1 run in about 25) the worker had not had the GIL yet and the rank hung
+    # in ~ProcessGroupGloo at this function's return (py-spy). Sleeping lets it run first.
+    time.sleep(0.1)
+    del ddp, optim
     result["max_diff"] = max(float((p - q).abs().max())
                              for p, q in zip(models["smddp"].parameters(), models["gloo"].parameters()))
     # every rank must end with the same parameters (DDP's shadow all_reduces kept them in step)
