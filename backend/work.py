@@ -295,21 +295,7 @@ class CommThread:
 
     def run_if_next(self, work: SMDDPWork) -> bool:
         """On a thread that waits for ``work``: run it here if it is the next call and none runs."""
-        with self._lock:
-            if self._owner is not None or not self._pending or self._pending[0][1] is not work:
-                return False
-            item = self._pending.popleft()
-            self._owner = threading.current_thread()
-        try:
-            run_into(*item)
-        finally:
-            del item  # the call's tensors are the caller's to free
-            with self._lock:
-                self._owner = None
-                more = bool(self._pending) or self._stopping
-            if more:  # calls queued behind it while it ran: their tokens found it busy
-                self._doorbell.put(True)
-        return True
+        return self._run_next(work)
 
     def run_until(self, work: SMDDPWork) -> None:
         """On the thread running a call: run queued calls, in the order they came, until ``work``
@@ -321,18 +307,30 @@ class CommThread:
             del item
 
     def _run_pending(self) -> None:
-        while True:
+        while self._run_next():
+            pass
+
+    def _run_next(self, only: SMDDPWork | None = None) -> bool:
+        """Run the next queued call on this thread, if no call runs now (and the next is ``only``,
+        when given); say whether one ran."""
+        with self._lock:
+            if self._owner is not None or not self._pending:
+                return False
+            if only is not None and self._pending[0][1] is not only:
+                return False
+            item = self._pending.popleft()
+            self._owner = threading.current_thread()
+        try:
+            run_into(*item)
+        finally:
+            del item  # held here, the call's tensors would live until the next call
             with self._lock:
-                if self._owner is not None or not self._pending:
-                    return
-                item = self._pending.popleft()
-                self._owner = self._thread
-            try:
-                run_into(*item)
-            finally:
-                del item  # held here, the call's tensors lived until the next call
-                with self._lock:
-                    self._owner = None
+                self._owner = None
+                more = bool(self._pending) or self._stopping
+            # calls queued behind it while a waiting caller ran it: their tokens found it busy
+            if more and threading.current_thread() is not self._thread:
+                self._doorbell.put(True)
+        return True
 
     def _loop(self) -> None:
         while True:
