@@ -104,7 +104,9 @@ WAITING_MISMATCHES = {
     "op": lambda odd: dist.broadcast(torch.ones(10), src=0) if odd else dist.all_reduce(torch.ones(10)),
     # a collective that only some ranks call (logging under ``if rank == 0:``)
     "extra_call": lambda odd: (None if odd else dist.all_reduce(torch.ones(1)), dist.barrier()),
-    "root": lambda odd: dist.broadcast(torch.ones(10), src=1 if odd else 0),
+    # the last rank and rank 0: on hosts of the hierarchical transport, roots on two hosts, whose
+    # ranks all send between hosts and none receives
+    "root": lambda odd: dist.broadcast(torch.ones(10), src=dist.get_world_size() - 1 if odd else 0),
     # split sizes passed on some ranks only: those take the uneven path, the others the equal one
     "all_to_all_splits": lambda odd: dist.all_to_all_single(
         torch.empty(2 * dist.get_world_size()), torch.ones(2 * dist.get_world_size()),
@@ -1324,9 +1326,10 @@ def interrupted_call() -> dict:
             "next_call": _error_of(lambda: dist.all_reduce(torch.ones(10)))}
 
 
-def small_call_routes() -> dict:
-    """Small calls on simulated hosts under SMDDP_ALGORITHM=auto: which path each took (rank 0's
-    SMDDP_DEBUG log), and a count summed in float32 (exact in float32, not in bfloat16)."""
+def routes_under_auto() -> dict:
+    """Calls on simulated hosts under SMDDP_ALGORITHM=auto: which path each took (rank 0's
+    SMDDP_DEBUG log), a count summed in float32 (exact in float32, not in bfloat16), and a small
+    and a large broadcast from the last rank (on the second host, not its first rank)."""
     import logging
 
     smddp_lite.init()
@@ -1341,7 +1344,12 @@ def small_call_routes() -> dict:
     dist.all_gather_into_tensor(gathered, torch.full((3,), float(rank)))
     halves = torch.ones(64, dtype=torch.bfloat16)
     dist.all_reduce(halves)
+    sent = {n: torch.arange(n, dtype=torch.float32) * (world - 1) for n in (64, 65537)}  # 65537: parts of 2 uneven
+    broadcasts = {n: sent[n].clone() if rank == world - 1 else torch.zeros(n) for n in sent}
+    for received in broadcasts.values():
+        dist.broadcast(received, src=world - 1)
     logging.getLogger("smddp_lite").removeHandler(handler)
     dist.destroy_process_group()
     return {"routes": [s for s in said if " runs " in s], "count": count.item(),
-            "gathered": gathered.tolist(), "halves": halves.float().unique().tolist()}
+            "gathered": gathered.tolist(), "halves": halves.float().unique().tolist(),
+            "broadcasts_arrived": [torch.equal(broadcasts[n], sent[n]) for n in sent]}

@@ -132,7 +132,7 @@ def _waiting_mismatch_words(kind: str, world: int) -> list[str]:
         "op": ["all_reduce(numel=10, dtype=float32, op=SUM)", "broadcast(numel=10, dtype=float32, root=0)",
                extra_call],
         "extra_call": ["all_reduce(numel=1, dtype=float32, op=SUM)", "barrier()", extra_call],
-        "root": ["broadcast(numel=10, dtype=float32, root=0)", "broadcast(numel=10, dtype=float32, root=1)",
+        "root": ["broadcast(numel=10, dtype=float32, root=0)", f"broadcast(numel=10, dtype=float32, root={world - 1})",
                  "Every rank must pass the same root and reduce op"],
         "all_to_all_splits": ["all_to_all(with split sizes, dtype=float32)",
                               f"all_to_all(numel={2 * world}, dtype=float32)",
@@ -156,6 +156,7 @@ WAITING_MISMATCH_CASES = [("gloo", kind) for kind in ("op", "extra_call", "root"
     # MPI pairs the other kinds without an error (ranks' calls are matched by order only)
     ("mpi", "op"),
     ("hierarchical", "op"), ("hierarchical", "extra_call"), ("hierarchical", "all_to_all_splits"),
+    ("hierarchical", "root"),
 ]
 
 

@@ -250,21 +250,25 @@ def test_collectives_sweep_on_chosen_configurations(tmp_path):
 
 
 @pytest.mark.parametrize("wire", [None, "bfloat16"])
-def test_small_calls_take_the_hierarchical_path_unless_their_sums_would_round(wire):
+def test_auto_is_hierarchical_but_for_small_rounded_sums_and_small_broadcasts(wire):
     """Under "auto" a small all_reduce or all_gather crosses hosts hierarchically (fewer steps
     between hosts); a small sum that would be rounded there (a 16-bit input, or any float sum with
-    a wire dtype) goes flat, summed in float32 and rounded once, so a count stays exact."""
+    a wire dtype) goes flat, summed in float32 and rounded once, so a count stays exact; and a
+    broadcast goes hierarchical from SMDDP_HIERARCHICAL_MIN_BYTES, with every byte arriving."""
     from . import harness
 
     env = {"SMDDP_DEBUG": "1", **({"SMDDP_INTER_NODE_WIRE_DTYPE": wire} if wire else {})}
-    results = harness.values(harness.launch("tests.programs:small_call_routes", 4, env=env, hosts_of=2))
+    results = harness.values(harness.launch("tests.programs:routes_under_auto", 4, env=env, hosts_of=2))
     for report in results:
         assert report["count"] == 4 * 1000.0 + 6 + 2.0, report
         assert report["gathered"] == [float(r) for r in range(4) for _ in range(3)], report
         assert report["halves"] == [4.0], report
+        assert report["broadcasts_arrived"] == [True, True], report
     routes = results[0]["routes"]  # logged once per op and route (SMDDP_DEBUG's own checks gather too)
     expected = ["all_reduce of 4 bytes runs flat"] if wire else [
         "all_reduce of 4 bytes runs hierarchical", "all_reduce of 128 bytes runs flat"]
+    # a small broadcast waits on latency: flat; a large one crosses each host's link once
+    expected += ["broadcast of 256 bytes runs flat", "broadcast of 262148 bytes runs hierarchical"]
     for words in expected + ["all_gather of"]:
         assert any(words in line for line in routes), (words, routes)
     assert not any("all_gather" in line and "runs flat" in line for line in routes), routes

@@ -100,9 +100,13 @@ class GlooTransport(Transport):
         return lambda: self._run("all_reduce", work)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        self.broadcast_async(tensor, root)()
+
+    def broadcast_async(self, tensor: torch.Tensor, root: int):
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        self._run("broadcast", self._pg.broadcast([tensor], opts))
+        work = self._pg.broadcast([tensor], opts)
+        return lambda: self._run("broadcast", work)
 
     def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
         opts = dist.ReduceOptions()

@@ -5,9 +5,11 @@ with the ranks of the same local index on the other hosts (so every host's link 
 the data, L ranks per host, and every rank talks), then all-gather inside the host.
 reduce_scatter is its first half: reduce-scatter inside the host, then a reduce-scatter with the
 same-index ranks. all_gather is its second half in the other order: all-gather with the
-same-index ranks, then inside the host, so each host's data crosses each link once. Everything
-else, and sums that would be rounded between hosts (16-bit, or with a wire dtype) below
-``hierarchical_min_bytes``, take a flat gloo ring over all ranks.
+same-index ranks, then inside the host, so each host's data crosses each link once. broadcast
+shares the root's tensor inside its host, sends 1/L of it from each of that host's ranks to
+their same-index peers, and all-gathers the parts inside each other host. Everything else, and
+broadcasts and sums that would be rounded between hosts (16-bit, or with a wire dtype) below
+``hierarchical_min_bytes``, take gloo over all ranks.
 
 An all_reduce larger than ``hierarchical_chunk_bytes`` is pipelined over pieces: each piece is
 reduced inside the host and its inter-host step started at once (gloo runs started collectives
@@ -132,20 +134,26 @@ class HierarchicalTransport(Transport):
         self.intra.carrying = dtype
 
     def _hierarchical(self, op: str, nbytes: int, sums: torch.dtype | None = None) -> bool:
-        """Whether a call takes the hierarchical path (else the flat gloo ring over all ranks).
+        """Whether a call takes the hierarchical path (else gloo over all ranks).
         Under "auto" every size does, as it crosses hosts in fewer steps: 1.4-2.2x faster
         all_reduces and 1.0-1.9x faster all_gathers than the flat ring from 256 B to 256 KiB on
         2 x 2, 4 x 2 and 2 x 4 simulated hosts (benchmarks/results/2026-11-25-small-messages-
-        hierarchical.md). Except sums (``sums``: the dtype reduced) that would be rounded between
-        hosts, 16-bit inputs or float sums with a wire dtype, below ``min_bytes``: those go flat,
-        summed in float32 and rounded once, so a loss or a count all-reduced for logging is not
-        rounded on its way, where saving bandwidth would save nothing."""
+        hierarchical.md). Except, below ``min_bytes``:
+        - sums (``sums``: the dtype reduced) that would be rounded between hosts, 16-bit inputs or
+          float sums with a wire dtype: those go flat, summed in float32 and rounded once, so a
+          loss or a count all-reduced for logging is not rounded on its way, where saving
+          bandwidth would save nothing;
+        - broadcasts: a small one waits on latency, not bytes, and the hierarchical path's two
+          steps in shared memory cost more than the bytes it saves (up to 64 KiB on 2 x 2 and
+          4 x 2 simulated hosts, benchmarks/results/2026-11-25-hierarchical-broadcast.md)."""
         rounds = sums is not None and (sums in LOW_PRECISION or (
             self.wire is not None and sums.is_floating_point and sums != torch.float64))
-        use = self.always or nbytes >= self.min_bytes or not rounds
-        if self.debug and self.rank == 0 and (op, use, rounds) not in self._logged:
-            self._logged.add((op, use, rounds))
-            why = f"sums rounded between hosts go flat below {self.min_bytes} bytes" if rounds else "every size"
+        small_flat = rounds or op == "broadcast"
+        use = self.always or nbytes >= self.min_bytes or not small_flat
+        if self.debug and self.rank == 0 and (op, use, small_flat) not in self._logged:
+            self._logged.add((op, use, small_flat))
+            why = "every size" if not small_flat else \
+                f"{'sums rounded between hosts' if rounds else 'broadcasts'} go flat below {self.min_bytes} bytes"
             log.info("smddp: %s of %d bytes runs %s (%s, %s)", op, nbytes, "hierarchical" if use else "flat",
                      self.topo.describe(), "forced" if self.always else why)
         return use
@@ -332,9 +340,45 @@ class HierarchicalTransport(Transport):
             return host_sums.to(self.wire)
         return host_sums
 
-    # the rest is flat ----------------------------------------------------------------------------
+    # broadcast -----------------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        self.flat.broadcast(tensor, root)
+        """The root's host shares the tensor in shared memory, then each of its L ranks sends its
+        1/L of it to the ranks of its local index on the other hosts, and each other host
+        all-gathers the L parts. Each host's link carries the tensor once. gloo's own broadcast
+        (a binomial tree over ranks, blind to hosts) sends it once per rank on the other hosts in
+        its later rounds: L times over the root host's link. Pieces of hierarchical_chunk_bytes,
+        all started at once, keep the link busy while earlier pieces are gathered."""
+        if not self._hierarchical("broadcast", tensor.numel() * tensor.element_size()):
+            return self.flat.broadcast(tensor, root)
+        root_node, L = self.topo.node_of[root], self.per_node
+        sends = self.node == root_node
+        piece = max(L, self.chunk_bytes // tensor.element_size() // L * L)  # whole parts per piece
+        started = []
+        for start in range(0, tensor.numel(), piece):
+            chunk = tensor[start : start + piece]
+            size = math.ceil(chunk.numel() / L)  # each local rank's part; the last may be short or empty
+            mine = chunk[self.local_rank * size : (self.local_rank + 1) * size]
+            if sends and L > 1:
+                self.intra.broadcast(chunk, self.topo.local[root_node].index(root))
+            if sends or L == 1:  # sent from, or received straight into, the caller's tensor
+                part, then = mine, None
+            else:
+                part = torch.empty(size, dtype=tensor.dtype)
+                then = lambda _, chunk=chunk, part=part, size=size: self._gather_parts(chunk, part, size)
+            # a part is empty on every host alike (same numel), so skipping it keeps gloo's order
+            wait = self.inter.broadcast_async(part[: mine.numel()], root_node) if mine.numel() else (lambda: None)
+            started.append((wait, then))
+        _end_in_start_order(started)
+
+    def _gather_parts(self, chunk: torch.Tensor, part: torch.Tensor, size: int) -> None:
+        """All-gather the L local ranks' parts (``size`` elements each, the last ones possibly
+        padding) of ``chunk`` inside the host."""
+        whole = chunk if chunk.numel() == size * self.per_node else torch.empty(size * self.per_node, dtype=chunk.dtype)
+        self.intra.all_gather(whole, part)
+        if whole is not chunk:
+            chunk.copy_(whole[: chunk.numel()])
+
+    # the rest is flat ----------------------------------------------------------------------------
 
     def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
         if tensor.dtype in LOW_PRECISION:
