@@ -414,6 +414,15 @@ def _parity_batches(rank: int, steps: int):
         yield x, (x @ teacher).argmax(1)
 
 
+def _let_gloo_workers_finish() -> None:
+    """Call before freeing what holds torch's own gloo group (a DDP, FSDP or pipeline model over
+    it, or destroying the groups). Its worker thread frees a finished call's tensors after the
+    wait returns and needs the GIL for it, while freeing the group (~ProcessGroupGloo) joins that
+    thread holding the GIL: under load (1 run in about 25) a rank hung there at a program's
+    return (py-spy). Sleeping lets the worker run first. A deadlock inside torch, not smddp."""
+    time.sleep(0.1)
+
+
 def ddp_parity(steps: int = 12) -> dict:
     """The same model trained with DDP on "smddp" and on "gloo", side by side in one job."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -456,6 +465,7 @@ def ddp_parity(steps: int = 12) -> dict:
         "fp16_hook": max_diff("smddp_fp16_hook", "gloo_fp16_hook"),
         "losses": losses["smddp"],
     }
+    _let_gloo_workers_finish()
     dist.destroy_process_group()
     return result
 
@@ -480,6 +490,7 @@ def ddp_powersgd_parity(steps: int = 12) -> dict:
     losses = _train_side_by_side(variants, rank, steps, momentum=0.0)
     diff = max(float((p - q).abs().max()) for p, q in zip(variants["smddp"].parameters(),
                                                           variants["gloo"].parameters()))
+    _let_gloo_workers_finish()
     dist.destroy_process_group()
     return {"max_diff": diff, "losses": losses["smddp"], "gloo_losses": losses["gloo"]}
 
@@ -604,6 +615,7 @@ def fsdp_parity(steps: int = 6, param_dtype: str | None = None, divide_factor: f
     result = {"max_diff": max(float((p - q).abs().max()) for p, q in zip(full["smddp"], full["gloo"])),
               "max_abs": max(float(p.abs().max()) for p in full["gloo"]),
               "losses": losses["smddp"], "gloo_losses": losses["gloo"]}
+    _let_gloo_workers_finish()
     dist.destroy_process_group()
     return result
 
@@ -646,6 +658,7 @@ def hsdp_parity(steps: int = 6, param_dtype: str | None = None) -> dict:
     full = {k: [p.full_tensor() for p in m.parameters()] for k, m in variants.items()}
     result = {"max_diff": max(float((p - q).abs().max()) for p, q in zip(full["smddp"], full["gloo"])),
               "max_abs": max(float(p.abs().max()) for p in full["gloo"])}
+    _let_gloo_workers_finish()
     dist.destroy_process_group()
     return result
 
@@ -1192,11 +1205,7 @@ def ddp_uneven_inputs(base_steps: int = 5, divide_by_initial_world_size: bool = 
                 optim.step()
         result[f"{name}_seconds"] = time.monotonic() - started
         models[name] = ddp.module
-    # torch's own gloo group: its worker thread frees a finished call's tensors after the wait
-    # returns and needs the GIL for it, while freeing the DDP reducer joins that thread holding
-    # the GIL. Under load (1 run in about 25) the worker had not had the GIL yet and the rank hung
-    # in ~ProcessGroupGloo at this function's return (py-spy). Sleeping lets it run first.
-    time.sleep(0.1)
+    _let_gloo_workers_finish()
     del ddp, optim
     result["max_diff"] = max(float((p - q).abs().max())
                              for p, q in zip(models["smddp"].parameters(), models["gloo"].parameters()))
@@ -1243,6 +1252,7 @@ def pipeline_parity(microbatches: int = 4) -> dict:
         report[schedule] = {"losses": smddp_losses, "same_losses": smddp_losses == gloo_losses,
                             "same_grads": bool(torch.equal(smddp_grads, gloo_grads)),
                             "grad_norm": float(smddp_grads.norm())}
+    _let_gloo_workers_finish()
     dist.destroy_process_group()
     return report
 
