@@ -125,12 +125,13 @@ class Collectives:
         """Verify that every rank calls the same op on the same size and dtype, where enabled;
         otherwise tell the group's refusal board what this rank is calling, so that a wait in it
         that lasts compares it with its peers' (refusals.RefusalBoard.mismatch_in)."""
+        mine = signature(op, dtype, numel, arg)
+        self.transport.calling = mine
         if not self._check:
             board = self.transport.refusals
             if board is not None:
-                board.entering(self.transport.call_index, signature(op, dtype, numel, arg))
+                board.entering(self.transport.call_index, mine)
             return
-        mine = signature(op, dtype, numel, arg)
         try:
             everyone = self.transport.signature_check(mine)
         except PeerRefusedError:  # says what happened, naming this call, as it would without the check

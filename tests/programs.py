@@ -71,6 +71,8 @@ def mismatch(kind: str) -> dict:
     premul_input = torch.ones(10 + rank)  # PREMUL_SUM scales it in place, once the call goes ahead
     calls = {
         "size": lambda: dist.all_reduce(torch.ones(10 + rank)),
+        # on hosts of two ranks, ranks of one host whose shares of the call inside it are the same
+        "host_share_size": lambda: dist.all_reduce(torch.ones(100_000 - rank % 2)),
         "premul_all_reduce_size": lambda: dist.all_reduce(premul_input, op=dist.ReduceOp.PREMUL_SUM(2.0)),
         "premul_reduce_size": lambda: dist.reduce(premul_input, dst=0, op=dist.ReduceOp.PREMUL_SUM(2.0)),
         "dtype": lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank == 0 else torch.float64)),

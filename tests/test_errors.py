@@ -106,20 +106,35 @@ def test_mismatched_calls_raise_on_every_rank(transport, kind):
         assert error["seconds"] < 30, error
 
 
+def test_ranks_of_one_host_whose_sizes_give_the_same_share_are_told():
+    """On 2 hosts x 2 ranks each host's ranks all-reduce 100000 and 99999 elements: the steps
+    inside the hosts move shares of 50000 alike, so their headers alone would match, and the
+    steps between hosts too; the headers also carry the user's call, and every rank raises."""
+    reports = harness.values(harness.launch("tests.programs:mismatch", 4, env={"SMDDP_ALGORITHM": "hierarchical"},
+                                            hosts_of=2, kind="host_share_size"))
+    for rank, error in enumerate(reports):
+        assert error["type"] == "CollectiveMismatchError", (rank, error)
+        for words in ("all_reduce(numel=100000, dtype=float32, op=SUM)", "all_reduce(numel=99999, dtype=float32, op=SUM)",
+                      f"[smddp rank {rank}/4 "):
+            assert words in error["message"], (rank, words, error["message"])
+        assert error["seconds"] < 30, error
+
+
 def test_ranks_of_one_host_passing_different_dtypes_to_a_hierarchical_all_gather_are_told():
     """Rank 3 passes float8, the others uint8 of the same size: the same bytes. Without
     SMDDP_CHECK_COLLECTIVES, only the step inside a host (shm) compares the ranks' calls: its
-    headers must name the user's dtype, not the bytes moved, and its message the user's ranks,
-    not the host group's. (Ranks 0 and 1, on the other host, agree with each other and with
-    what gloo checks between hosts: they are not told.)"""
+    headers must name the user's call (an all_gather of 8 elements, not the step gathering 16
+    bytes inside the host), and its message the user's ranks, not the host group's. (Ranks 0
+    and 1, on the other host, agree with each other and with what gloo checks between hosts:
+    their call completes; the mismatch reaches them on the group's board, in a later wait.)"""
     reports = harness.values(harness.launch("tests.programs:mismatch", 4, env={"SMDDP_ALGORITHM": "hierarchical"},
                                             hosts_of=2, kind="moved_dtype"))
     for rank in (2, 3):
         error = reports[rank]
         assert error["type"] == "CollectiveMismatchError", (rank, error)
         assert "can no longer be used" in error["usable_after"], (rank, error)
-        for words in ("as call #1 of this group: rank 2: all_gather(numel=16, dtype=uint8)",
-                      "rank 3: all_gather(numel=16, dtype=float8_e4m3fn)", f"[smddp rank {rank}/4 "):
+        for words in ("as call #1 of this group: rank 2: all_gather(numel=8, dtype=uint8)",
+                      "rank 3: all_gather(numel=8, dtype=float8_e4m3fn)", f"[smddp rank {rank}/4 "):
             assert words in error["message"], error["message"]
         assert error["seconds"] < 30, error
 

@@ -65,6 +65,10 @@ class Transport(abc.ABC):
     """The user's dtype while a moving op's tensors pass through this transport as their uint8
     bytes (algorithms.Collectives sets it), so that headers (shm) tell bool, uint8 and float8
     apart; sizes stay in the bytes moved."""
+    calling: list[int] | None = None
+    """The signature (signatures.signature) of the call the user made, while it runs
+    (algorithms.Collectives sets it); the hierarchical transport's host part publishes it in
+    its headers in place of its step's own."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -72,7 +76,7 @@ class Transport(abc.ABC):
 
     def begin_call(self, call: int, op: str) -> None:
         """The process group is about to run its call number ``call``, ``op`` as the user named it."""
-        self.call_index, self.running, self.carrying = call, op, None
+        self.call_index, self.running, self.carrying, self.calling = call, op, None, None
 
     def where(self, op: str) -> str:
         """The prefix of this transport's error messages (errors.where), naming the rank as the

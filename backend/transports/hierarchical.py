@@ -133,6 +133,16 @@ class HierarchicalTransport(Transport):
         # check no headers)
         self.intra.carrying = dtype
 
+    @property
+    def calling(self) -> list[int] | None:
+        return getattr(self.intra, "shown_call", None)  # a host of one rank has no shared memory
+
+    @calling.setter
+    def calling(self, signature: list[int] | None) -> None:
+        # the step inside the host publishes the user's call beside its own: ranks of one host
+        # whose calls differ are told what they called, not which steps those start with
+        self.intra.shown_call = signature
+
     def _hierarchical(self, op: str, nbytes: int, sums: torch.dtype | None = None) -> bool:
         """Whether a call takes the hierarchical path (else gloo over all ranks).
         Under "auto" every size does, as it crosses hosts in fewer steps: 1.4-2.2x faster

@@ -197,6 +197,19 @@ class RefusalBoard:
         self._store.add(NEWS_KEY, 1)  # after the key it announces
         return said
 
+    def announce_mismatch(self, said: str) -> None:
+        """Tell the group what ranks that called different collectives called (mismatch_said's
+        words), found where the ranks met without the board: shared memory's headers, under the
+        hierarchical transport, whose ranks on other hosts wait between hosts for the ones that
+        found it, or see their connections close. Does not wait; where the store cannot be
+        reached, those ranks learn as before, and this rank raises its own error anyway."""
+        try:
+            self._store.compare_set(MISMATCH_KEY, "", said)  # the first announcement stays
+            self._store.add(NEWS_KEY, 1)
+        except (RuntimeError, OSError) as exc:
+            log.warning("smddp: rank %d could not tell its peers on other hosts that ranks called different "
+                        "collectives (%s); they will learn it later, or at the process group's timeout", self.rank, exc)
+
     def heard(self, call: int) -> str | None:
         """What a refusing rank said of call ``call``, recording that this rank leaves the call,
         (``hears_failures``) what a failing rank said of its failure in any call, or which ranks

@@ -22,12 +22,16 @@ from ..signatures import OPS, REDUCE_ROOT_FACTOR
 from .base import Transport, block_offsets
 from .shm_segment import ShmSegment
 
+_NO_CALL_SHOWN = (0, 0, 0, 0)  # a header's user-call fields when the op is no step of another call
 ONE_SHOT_BYTES = 16 << 10  # all_reduce below this size uses one barrier (see all_reduce)
 
 def _signature(header: tuple[int, ...]) -> list[int]:
-    """The call a header describes (signatures.py's form), in the user's elements: a header counts
-    the bytes moved for dtypes that travel as bytes (bool, float8, int16, ...)."""
-    _, _, op, code, numel, arg = header
+    """The call a header describes (signatures.py's form), in the user's elements: the user's call
+    where the op is a step of it (the hierarchical transport's), else the op itself, whose header
+    counts the bytes moved for dtypes that travel as bytes (bool, float8, int16, ...)."""
+    if header[6]:
+        return list(header[6:])
+    _, _, op, code, numel, arg = header[:6]
     dtype = dtype_of_code(code) if code else None
     if dtype is not None and moved_as_bytes(dtype):
         numel //= dtype.itemsize
@@ -41,6 +45,11 @@ class ShmTransport(Transport):
     all_reduces_16_bit_avg = frozenset(LOW_PRECISION)
     runs_inline = True
     checks_signatures = True
+    shown_call: list[int] | None = None
+    """The signature of the user's call whose step this transport runs, published in its headers
+    beside the step's own (the hierarchical transport sets it): ranks of one host that called
+    different collectives are told what they called, an all_reduce and a barrier, not the
+    reduce_scatter step the all_reduce starts with."""
 
     def __init__(self, store, rank: int, world_size: int, chunk_bytes: int, timeout) -> None:
         super().__init__(rank, world_size)
@@ -59,7 +68,7 @@ class ShmTransport(Transport):
         self.seq += 1
         self.seg.current_call, self.seg.op_shown = self.call_index, self.shown_op(op)
         code = signature_code(self.carrying or dtype) if dtype else 0
-        header = (self.seq, self.call_index, OPS[op], code, numel, arg)
+        header = (self.seq, self.call_index, OPS[op], code, numel, arg, *(self.shown_call or _NO_CALL_SHOWN))
         self.seg.publish_header(header)
         return header
 
@@ -67,7 +76,10 @@ class ShmTransport(Transport):
         """Barrier; on an op's first step also check that every rank called the same op."""
         self.seg.barrier()
         if header is not None:
-            self.seg.check_headers(header, _signature)
+            # as the host part of a hierarchical transport, a mismatch found here goes on the
+            # group's board too: ranks on other hosts, waiting between hosts for these, hear it
+            announce = self.refusals.announce_mismatch if self.refusals is not None else None
+            self.seg.check_headers(header, _signature, announce)
 
     def _steps(self, numel: int, elem_bytes: int):
         """(start, stop) ranges of at most one chunk; at least one range, so empty ops still sync."""

@@ -31,9 +31,11 @@ from ..signatures import MISMATCH_SAID, mismatch_said
 from .refusals import explained
 
 PHASE, PID, BROKEN, REJECTED = 0, 1, 2, 3
-HEADER = 4  # two headers of 6 fields: op seq, call index, op code, dtype code, numel, arg
-HEADER_FIELDS = ("seq", "call", "op", "dtype", "numel", "arg")
-CONTROL_WORDS = 16
+HEADER = 4  # two headers of 10 fields: the op's seq, call index, op code, dtype code, numel, arg,
+# and the user's call (its signature: op, dtype, numel, arg) where the op is a step of it, else 0s
+HEADER_FIELDS = ("seq", "call", "op", "dtype", "numel", "arg", "call_op", "call_dtype", "call_numel", "call_arg")
+_CALL_FIELDS = slice(6, 10)
+CONTROL_WORDS = 24
 REASON_BYTES = 512
 # Poll with sched_yield this long, then sleep. Peers of a small collective arrive within tens of
 # microseconds; a longer wait means a peer still computing or waiting on the network, and there a
@@ -80,17 +82,25 @@ class ShmSegment:
         base = HEADER + (header[0] % 2) * len(HEADER_FIELDS)
         self.control[self.rank, base : base + len(HEADER_FIELDS)] = header
 
-    def check_headers(self, header: tuple[int, ...], signature_of) -> None:
+    def check_headers(self, header: tuple[int, ...], signature_of, announce=None) -> None:
         """After the first barrier of an op: every rank published the same header, or all raise
         (each rank reads every header, so each finds it itself). ``signature_of``: a header's call
-        in signatures.py's form, for the message."""
+        in signatures.py's form, for the message; ``announce``: called with what differs before
+        raising (the hierarchical transport's board: ranks on other hosts hear of it there)."""
         base = HEADER + (header[0] % 2) * len(HEADER_FIELDS)
         headers = self.control[:, base : base + len(HEADER_FIELDS)]
         if (headers == np.asarray(header, dtype=np.int64)).all():
             return
-        calls = [(self._shown(r), int(h[1]), signature_of(tuple(int(v) for v in h))) for r, h in enumerate(headers)]
+        rows = [tuple(int(v) for v in h) for h in headers]
+        if len({row[_CALL_FIELDS] for row in rows}) == 1:
+            # the users' calls agree and their steps do not (ranks configured apart): name the steps
+            rows = [row[: _CALL_FIELDS.start] + (0,) * len(HEADER_FIELDS[_CALL_FIELDS]) for row in rows]
+        calls = [(self._shown(r), row[1], signature_of(row)) for r, row in enumerate(rows)]
         self.broken = True
-        raise explained(mismatch_said(calls), self._where(numbered=False))
+        said = mismatch_said(calls)
+        if announce is not None:
+            announce(said)
+        raise explained(said, self._where(numbered=False))
 
     # control plane ---------------------------------------------------------------------------
     broken = False
