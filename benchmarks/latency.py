@@ -11,7 +11,7 @@ round); ``--profile`` adds where that time goes in the first backend (cProfile, 
     torchrun --standalone --nproc-per-node 2 benchmarks/latency.py --op pingpong --profile p2p.txt
 
 ``--op pingpong`` times round trips between ranks 0 and 1 (rank 0 sends, rank 1 sends back;
-other ranks wait at the end).
+other ranks wait at the end); ``--op barrier`` times barriers (``--bytes`` is then unused).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="alternations between backends")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--profile", metavar="PATH", help="write a cProfile of the first backend's calls here")
-    parser.add_argument("--op", choices=("all_reduce", "pingpong"), default="all_reduce",
-                        help="what one timed call is: an all_reduce, or a send/recv round trip between ranks 0 and 1")
+    parser.add_argument("--op", choices=("all_reduce", "barrier", "pingpong"), default="all_reduce",
+                        help="what one timed call is: an all_reduce, a barrier, or a send/recv round trip between "
+                             "ranks 0 and 1")
     args = parser.parse_args()
 
     backends = args.backends.split(",")
@@ -68,6 +69,8 @@ def main() -> None:
     def call(group) -> None:
         if args.op == "all_reduce":
             dist.all_reduce(tensor, group=group)
+        elif args.op == "barrier":
+            dist.barrier(group=group)
         elif rank == 0:
             dist.send(tensor, 1, group=group)
             dist.recv(tensor, 1, group=group)
@@ -99,8 +102,9 @@ def main() -> None:
                                       f"on {device}, rank 0"))
     dist.barrier()  # ranks other than 0 and 1 had nothing to time in a ping-pong
     if dist.get_rank() == 0:
-        what = "all_reduce" if args.op == "all_reduce" else "send/recv round trip (ranks 0 and 1)"
-        print(f"# {what} of {tensor.numel() * 4} B float32 on {dist.get_world_size()} ranks ({device.type}), "
+        what = {"all_reduce": f"all_reduce of {tensor.numel() * 4} B float32", "barrier": "barrier",
+                "pingpong": f"send/recv round trip (ranks 0 and 1) of {tensor.numel() * 4} B float32"}[args.op]
+        print(f"# {what} on {dist.get_world_size()} ranks ({device.type}), "
               f"{args.calls} calls per backend in {args.rounds} alternating rounds (rank 0's view)")
         print(f"# {'backend':<8} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8} {'max us':>8} {'mean us':>8}")
         for backend, values in samples.items():

@@ -55,7 +55,7 @@ class BackendConfig:
     Larger messages get a fresh buffer each call. Env: ``SMDDP_SCRATCH_MAX_BYTES``."""
 
     algorithm: str = "auto"
-    """How all_reduce, all_gather, reduce_scatter and broadcast cross hosts: "hierarchical" (inside each
+    """How all_reduce, all_gather, reduce_scatter, broadcast and barrier cross hosts: "hierarchical" (inside each
     host first, then one balanced share per rank across hosts, the Herring/SMDDP scheme), "flat"
     (one ring over all ranks), or "auto" (hierarchical on several hosts with equal rank counts,
     but for small rounded sums and small broadcasts: see ``hierarchical_min_bytes``). Env: ``SMDDP_ALGORITHM``."""

@@ -10,6 +10,7 @@ tensors (expectations are still computed on the CPU).
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -401,6 +402,25 @@ def case_barrier(rank, world):
         dist.barrier()
 
 
+def case_barrier_holds_every_rank(rank, world, late_s: float = 0.25):
+    """No rank leaves a barrier before the last one has entered: the last rank, and then rank 0,
+    enter ``late_s`` after the others. The ranks of a test share one machine, hence one monotonic
+    clock; their times are compared after an all_gather."""
+    for late in dict.fromkeys((world - 1, 0)):
+        if rank == late:
+            time.sleep(late_s)
+        entered = time.monotonic_ns()
+        dist.barrier()
+        left = time.monotonic_ns()
+        everyone = empty((world, 2), torch.int64)
+        dist.all_gather_into_tensor(everyone, on_device(torch.tensor([[entered, left]], dtype=torch.int64)))
+        times = everyone.cpu().tolist()
+        early = [p for p, (_, out) in enumerate(times) if out < times[late][0]]
+        if early:
+            return f"ranks {early} left the barrier before rank {late}, {late_s} s late, entered it"
+    return None
+
+
 def case_subgroup(rank, world):
     """new_group over the even and the odd ranks (default backend); every rank creates both, as
     torch requires, and uses its own. A world of one has no odd group (torch refuses empty ones)."""
@@ -494,6 +514,7 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
             yield op, f"one_element_column-{str(dtype).replace('torch.', '')}", case_one_element_column, dict(
                 dtype=dtype, op=op)
     yield "barrier", "three", case_barrier, {}
+    yield "barrier", "holds_every_rank", case_barrier_holds_every_rank, {}
     yield "subgroup", "odd_even", case_subgroup, {}
 
 

@@ -7,7 +7,8 @@ reduce_scatter is its first half: reduce-scatter inside the host, then a reduce-
 same-index ranks. all_gather is its second half in the other order: all-gather with the
 same-index ranks, then inside the host, so each host's data crosses each link once. broadcast
 shares the root's tensor inside its host, sends 1/L of it from each of that host's ranks to
-their same-index peers, and all-gathers the parts inside each other host. Everything else, and
+their same-index peers, and all-gathers the parts inside each other host. barrier meets inside
+the hosts, then among their first ranks, then inside the hosts again. Everything else, and
 broadcasts and sums that would be rounded between hosts (16-bit, or with a wire dtype) below
 ``hierarchical_min_bytes``, take gloo over all ranks.
 
@@ -388,6 +389,19 @@ class HierarchicalTransport(Transport):
         if whole is not chunk:
             chunk.copy_(whole[: chunk.numel()])
 
+    # barrier -------------------------------------------------------------------------------------
+    def barrier(self) -> None:
+        """Inside the host, then between hosts among each host's first rank, then inside the host
+        again: once the first ranks have met, every rank of every host has entered, and the second
+        step inside the host holds the others until then. gloo's barrier over all N L ranks
+        exchanges messages among all of them across the hosts' links."""
+        if not self._hierarchical("barrier", 0):
+            return self.flat.barrier()
+        self.intra.barrier()
+        if self.local_rank == 0:
+            self.inter.barrier()
+        self.intra.barrier()
+
     # the rest is flat ----------------------------------------------------------------------------
 
     def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
@@ -412,8 +426,6 @@ class HierarchicalTransport(Transport):
     def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
         self.flat.scatter(output, input, root)
 
-    def barrier(self) -> None:
-        self.flat.barrier()
 
     def close(self) -> None:
         for t in (self.intra, self.inter, self.flat):
