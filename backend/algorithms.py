@@ -17,8 +17,9 @@ import torch.distributed as dist
 from .errors import PeerRefusedError, RecoverableMismatchError, where
 from .ops import LOW_PRECISION, RedOp, as_sum, flat_view, moved_as_bytes
 from .scratch import DEFAULT_MAX_BYTES, Scratch
-from .signatures import REDUCE_ROOT_FACTOR, mismatch_said, signature
+from .signatures import REDUCE_ROOT_FACTOR, mismatch_said, paired_with_size_exchange_said, signature
 from .transports.base import Transport, overlap
+from .transports.refusals import explained
 
 _BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
             RedOp.MIN: RedOp.MIN, RedOp.PRODUCT: RedOp.MIN, RedOp.BAND: RedOp.MIN, RedOp.BXOR: RedOp.BXOR}
@@ -26,6 +27,11 @@ _BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
 
 # said by mismatches every rank finds in one gathered table, before any data moves
 _STILL_USABLE = "Every rank raised this before any data moved; the group can still be used."
+
+SIZES_MARK = 0x534D4444505F535A
+"""The last element of every rank's row in the exchange of split sizes: a row without it came
+from a rank that made another collective of the same byte size, which gloo and MPI pair with
+the exchange without an error (shm's headers tell them apart)."""
 
 # what an uneven all_to_all's ranks must agree on, said when they do not
 _SPLIT_RULE = ("Rank q's output_split_sizes[p] must equal rank p's input_split_sizes[q] (and list all_to_all's "
@@ -109,6 +115,7 @@ class Collectives:
         self._check = check_signatures and not transport.checks_signatures
         # float32 copies of 16-bit messages, reused (scratch.py says why)
         self.scratch = Scratch(scratch_max_bytes)
+        self._calling: list[int] = []  # the signature of the call running (``_agree``'s), for messages
 
     # shared steps ------------------------------------------------------------------------------
     def _as_bytes(self, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -126,7 +133,7 @@ class Collectives:
         otherwise tell the group's refusal board what this rank is calling, so that a wait in it
         that lasts compares it with its peers' (refusals.RefusalBoard.mismatch_in)."""
         mine = signature(op, dtype, numel, arg)
-        self.transport.calling = mine
+        self.transport.calling = self._calling = mine
         if not self._check:
             board = self.transport.refusals
             if board is not None:
@@ -313,10 +320,20 @@ class Collectives:
         differ in size or a rank expects other sizes than its peers send. Returns what each
         rank sends each rank, in rows: ``[p][q]`` from p to q."""
         w = self.world_size
-        mine = torch.tensor(list(input_splits) + list(output_splits) + [row], dtype=torch.int64)
-        table = torch.empty(w * (2 * w + 1), dtype=torch.int64)
+        mine = torch.tensor(list(input_splits) + list(output_splits) + [row, SIZES_MARK], dtype=torch.int64)
+        table = torch.empty(w * mine.numel(), dtype=torch.int64)
         self.transport.gather_split_sizes(table, mine)
-        rows = table.view(w, 2 * w + 1).tolist()
+        rows = table.view(w, mine.numel()).tolist()
+        unmarked = [p for p, r in enumerate(rows) if r[-1] != SIZES_MARK]
+        if unmarked:
+            # those ranks' call has completed with this rank's sizes as its data: no error reaches
+            # them from here, but the board's announcement does, in their next call's wait
+            said = paired_with_size_exchange_said(self.transport.call_index, self._calling,
+                                                  [p for p in range(w) if p not in unmarked], unmarked,
+                                                  mine.numel() * mine.element_size())
+            if self.transport.refusals is not None:
+                self.transport.refusals.announce_mismatch(said)
+            raise explained(said, where(self.rank, w, self.transport.running or "all_to_all"))
         widths = [r[2 * w] for r in rows]
         if len(set(widths)) > 1:
             raise RecoverableMismatchError(

@@ -84,6 +84,19 @@ def mismatch_said(calls: list[tuple[int, int, list[int]]], waiting: bool = False
     return f"{MISMATCH_SAID}{which}{how}: {each}. {look}"
 
 
+def paired_with_size_exchange_said(call: int, sig: list[int], ranks: list[int], others: list[int], nbytes: int) -> str:
+    """What ``ranks``, whose call ``sig`` (an uneven all_to_all or list all_gather) starts with
+    an exchange of sizes, are told when ``others`` sent no sizes into it: those made another
+    collective that moves ``nbytes`` per rank, as the exchange does, and the two paired, so theirs
+    returned the sizes as its data. Starts with MISMATCH_SAID, ends with a full stop."""
+    each = sorted([(ranks, describe(sig)), (others, f"another collective of {nbytes} bytes per rank, which paired "
+                                                     f"with {_SPLIT_SIZES_SAID} (as long)")])
+    return (f"{MISMATCH_SAID} as call #{call} of this group: {'; '.join(f'{_ranks(r)}: {said}' for r, said in each)}, "
+            f"so the result of that call on {_ranks(others)} is the other ranks' sizes, not data. Some ranks passed "
+            "split sizes (or output tensors of different sizes) and others did not: every rank must call the same "
+            "form of the collective.")
+
+
 def _ranks(ranks: list[int]) -> str:
     """``rank 3``, ``ranks 0-2, 5``: ranks in runs."""
     runs: list[list[int]] = []

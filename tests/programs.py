@@ -85,12 +85,13 @@ def mismatch(kind: str) -> dict:
         # outputs of different sizes: rank 0 expects 4 elements from rank 1, which sends 5
         "all_gather_sizes": lambda: dist.all_gather([torch.empty(3), torch.empty(4 if rank == 0 else 5)],
                                                     torch.ones(3 if rank == 0 else 5)),
-        # rank 0's outputs all match its input (the equal path); rank 1 expects 7 from it (the
-        # uneven path), and its exchange of sizes is an int64 all_gather as long as rank 0's
+        # rank 0's outputs all match its input (the equal path); rank 1 expects 9 from it (the
+        # uneven path), and its exchange of sizes (2 x 2 + 2 elements a rank on 2 ranks) is an
+        # int64 all_gather as long as rank 0's
         "all_gather_paths": lambda: dist.all_gather(
-            [torch.empty(5, dtype=torch.int64), torch.empty(5, dtype=torch.int64)] if rank == 0
-            else [torch.empty(7, dtype=torch.int64), torch.empty(5, dtype=torch.int64)],
-            torch.arange(5)),
+            [torch.empty(6, dtype=torch.int64), torch.empty(6, dtype=torch.int64)] if rank == 0
+            else [torch.empty(9, dtype=torch.int64), torch.empty(6, dtype=torch.int64)],
+            torch.arange(6)),
     }
     report = _error_of(calls[kind])
     report["usable_after"] = _usable_after_error()

@@ -106,6 +106,33 @@ def test_mismatched_calls_raise_on_every_rank(transport, kind):
         assert error["seconds"] < 30, error
 
 
+@pytest.mark.parametrize("transport", ["gloo", "mpi"])
+def test_a_call_that_pairs_with_a_peers_exchange_of_sizes_is_told(transport):
+    """Without SMDDP_CHECK_COLLECTIVES, rank 0's list all_gather takes the equal path and rank 1's
+    the uneven one, whose exchange of sizes moves as many bytes as rank 0's all_gather: gloo and
+    MPI pair the two without an error. Rank 1 finds rank 0's row unmarked and raises, naming
+    both; rank 0's call has completed (with rank 1's sizes as data), and its next call raises
+    the same mismatch, heard on the group's board, instead of waiting for the timeout."""
+    env = {"SMDDP_TRANSPORT": transport}
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+        results = harness.launch_mpi("tests.programs:mismatch", 2, env=env, kind="all_gather_paths")
+    else:
+        results = harness.launch("tests.programs:mismatch", 2, env=env, kind="all_gather_paths")
+    first, second = harness.values(results)
+    said = ("as call #1 of this group: rank 0: another collective of 48 bytes per rank, which paired with",
+            "rank 1: all_gather(with outputs of different sizes, dtype=int64)",
+            MISMATCH_HINTS["all_gather_paths"])
+    assert second["type"] == "CollectiveMismatchError", second
+    assert second["backend_error"], second
+    for words in (*said, "[smddp rank 1/2 ", "can no longer be used"):
+        assert words in second["message"], (words, second["message"])
+    assert first["type"] is None, first  # the limit: its call paired and returned
+    assert first["usable_after"].startswith("CollectiveMismatchError: [smddp rank 0/2 "), first
+    for words in said:
+        assert words in first["usable_after"], (words, first["usable_after"])
+
+
 def test_ranks_of_one_host_whose_sizes_give_the_same_share_are_told():
     """On 2 hosts x 2 ranks each host's ranks all-reduce 100000 and 99999 elements: the steps
     inside the hosts move shares of 50000 alike, so their headers alone would match, and the
