@@ -115,7 +115,6 @@ class Collectives:
         self._check = check_signatures and not transport.checks_signatures
         # float32 copies of 16-bit messages, reused (scratch.py says why)
         self.scratch = Scratch(scratch_max_bytes)
-        self._calling: list[int] = []  # the signature of the call running (``_agree``'s), for messages
 
     # shared steps ------------------------------------------------------------------------------
     def _as_bytes(self, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -133,7 +132,7 @@ class Collectives:
         otherwise tell the group's refusal board what this rank is calling, so that a wait in it
         that lasts compares it with its peers' (refusals.RefusalBoard.mismatch_in)."""
         mine = signature(op, dtype, numel, arg)
-        self.transport.calling = self._calling = mine
+        self.transport.calling = mine
         if not self._check:
             board = self.transport.refusals
             if board is not None:
@@ -328,7 +327,7 @@ class Collectives:
         if unmarked:
             # those ranks' call has completed with this rank's sizes as its data: no error reaches
             # them from here, but the board's announcement does, in their next call's wait
-            said = paired_with_size_exchange_said(self.transport.call_index, self._calling,
+            said = paired_with_size_exchange_said(self.transport.call_index, self.transport.calling or [],
                                                   [p for p in range(w) if p not in unmarked], unmarked,
                                                   mine.numel() * mine.element_size())
             if self.transport.refusals is not None:

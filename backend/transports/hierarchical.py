@@ -85,6 +85,7 @@ class HierarchicalTransport(Transport):
     # and its bfloat16 AVG all_reduce sums the host sums in float32 between hosts, divides there
     # and rounds once (_start_compressed_sum), so bfloat16 crosses the network as it is
     all_reduces_16_bit_avg = frozenset({torch.bfloat16})
+    _calling: list[int] | None = None  # behind the ``calling`` property
 
     def __init__(self, store, rank: int, world_size: int, topology: Topology, intra_factory, timeout, config) -> None:
         super().__init__(rank, world_size)
@@ -136,13 +137,14 @@ class HierarchicalTransport(Transport):
 
     @property
     def calling(self) -> list[int] | None:
-        return getattr(self.intra, "shown_call", None)  # a host of one rank has no shared memory
+        return self._calling
 
     @calling.setter
     def calling(self, signature: list[int] | None) -> None:
         # the step inside the host publishes the user's call beside its own: ranks of one host
-        # whose calls differ are told what they called, not which steps those start with
-        self.intra.shown_call = signature
+        # whose calls differ are told what they called, not which steps those start with (a
+        # host of one rank has no shared memory; the attribute is then unread)
+        self._calling = self.intra.shown_call = signature
 
     def _hierarchical(self, op: str, nbytes: int, sums: torch.dtype | None = None) -> bool:
         """Whether a call takes the hierarchical path (else gloo over all ranks).

@@ -185,14 +185,16 @@ class RefusalBoard:
             if (int(their_call), int(their_step)) == (call, step):
                 if theirs == written:
                     return None
-                return self._announce_mismatch(call, int(their_rank), [int(v) for v in theirs.split(",")], mine)
+                peer, their_signature = int(their_rank), [int(v) for v in theirs.split(",")]
+                return self._post_mismatch(mismatch_said([(peer, call, their_signature), (self.rank, call, mine)],
+                                                         waiting=True))
             expected = found
         return None
 
-    def _announce_mismatch(self, call: int, peer: int, theirs: list[int], mine: list[int]) -> str:
-        """Tell the group, and return, what differs; the first announcement stays, so that every
-        rank names the same pair of calls (several pairs may differ when several ranks do)."""
-        said = mismatch_said([(peer, call, theirs), (self.rank, call, mine)], waiting=True)
+    def _post_mismatch(self, said: str) -> str:
+        """Put ``said`` on the board unless a mismatch is there already, and return the one there:
+        the first announcement stays, so that every rank names the same pair of calls (several
+        pairs may differ when several ranks do). Store errors propagate."""
         said = self._store.compare_set(MISMATCH_KEY, "", said).decode(errors="replace")
         self._store.add(NEWS_KEY, 1)  # after the key it announces
         return said
@@ -204,8 +206,7 @@ class RefusalBoard:
         found it, or see their connections close. Does not wait; where the store cannot be
         reached, those ranks learn as before, and this rank raises its own error anyway."""
         try:
-            self._store.compare_set(MISMATCH_KEY, "", said)  # the first announcement stays
-            self._store.add(NEWS_KEY, 1)
+            self._post_mismatch(said)
         except (RuntimeError, OSError) as exc:
             log.warning("smddp: rank %d could not tell its peers on other hosts that ranks called different "
                         "collectives (%s); they will learn it later, or at the process group's timeout", self.rank, exc)
