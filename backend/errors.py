@@ -17,6 +17,18 @@ def where(rank: int, world_size: int, op: str) -> str:
     return f"[smddp rank {rank}/{world_size} host {_HOST}] {op}:"
 
 
+def ranks_said(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0-2, 5``: ranks in runs, for messages that name several."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    words = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+    return f"rank{'s' if len(ranks) > 1 else ''} {words}"
+
+
 class SMDDPError(dist.DistBackendError):
     """A collective failed or was refused. A ``DistBackendError``, so code that handles torch's own
     backend errors handles ours."""

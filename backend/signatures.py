@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import ranks_said
 from .ops import RedOp, dtype_name, dtype_of_code, signature_code
 
 MISMATCH_SAID = "ranks called different collectives"
@@ -66,12 +67,13 @@ def describe(sig: list[int]) -> str:
     return f"{name}({', '.join(words)})"
 
 
-def mismatch_said(calls: list[tuple[int, int, list[int]]], waiting: bool = False) -> str:
+def mismatch_said(calls: list[tuple[int, int, list[int]]], waiting: bool = False, look: str | None = None) -> str:
     """What ranks that called different collectives are told (after errors.where's prefix):
     ``calls`` holds (rank, call number, signature) of the ranks compared. The message names the
     call, each rank's collective (ranks that called the same named together), and where to look
     in the script, which depends on what differs. ``waiting``: found by ranks that wait for each
-    other in it (the refusal board's look). Starts with MISMATCH_SAID, ends with a full stop."""
+    other in it (the refusal board's look); ``look``: where to look, in place of what the calls'
+    differences suggest. Starts with MISMATCH_SAID, ends with a full stop."""
     numbers = {number for _, number, _ in calls}
     same_number = len(numbers) == 1
     named: dict[str, list[int]] = {}
@@ -79,8 +81,9 @@ def mismatch_said(calls: list[tuple[int, int, list[int]]], waiting: bool = False
         named.setdefault(describe(sig) if same_number else f"call #{number} {describe(sig)}", []).append(rank)
     which = f" as call #{numbers.pop()} of this group" if same_number else ""
     how = ", and each waits for the others in it" if waiting else ""
-    each = "; ".join(f"{_ranks(ranks)}: {said}" for said, ranks in named.items())
-    look = _where_to_look([sig for _, _, sig in calls]) if same_number else _LOOK_FOR_AN_EXTRA_CALL
+    each = "; ".join(f"{ranks_said(ranks)}: {said}" for said, ranks in named.items())
+    if look is None:
+        look = _where_to_look([sig for _, _, sig in calls]) if same_number else _LOOK_FOR_AN_EXTRA_CALL
     return f"{MISMATCH_SAID}{which}{how}: {each}. {look}"
 
 
@@ -91,22 +94,10 @@ def paired_with_size_exchange_said(call: int, sig: list[int], ranks: list[int], 
     returned the sizes as its data. Starts with MISMATCH_SAID, ends with a full stop."""
     each = sorted([(ranks, describe(sig)), (others, f"another collective of {nbytes} bytes per rank, which paired "
                                                      f"with {_SPLIT_SIZES_SAID} (as long)")])
-    return (f"{MISMATCH_SAID} as call #{call} of this group: {'; '.join(f'{_ranks(r)}: {said}' for r, said in each)}, "
-            f"so the result of that call on {_ranks(others)} is the other ranks' sizes, not data. Some ranks passed "
+    return (f"{MISMATCH_SAID} as call #{call} of this group: {'; '.join(f'{ranks_said(r)}: {said}' for r, said in each)}, "
+            f"so the result of that call on {ranks_said(others)} is the other ranks' sizes, not data. Some ranks passed "
             "split sizes (or output tensors of different sizes) and others did not: every rank must call the same "
             "form of the collective.")
-
-
-def _ranks(ranks: list[int]) -> str:
-    """``rank 3``, ``ranks 0-2, 5``: ranks in runs."""
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    words = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
-    return f"rank{'s' if len(ranks) > 1 else ''} {words}"
 
 
 _LOOK_FOR_AN_EXTRA_CALL = ("Every rank must call the same collectives in the same order: look for a collective that "

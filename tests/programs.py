@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 import smddp_lite
+from backend.ops import RedOp
+from backend.signatures import signature
 
 
 def _error_of(fn) -> dict:
@@ -684,6 +686,33 @@ def init_refused() -> dict:
     """smddp_lite.init() expected to raise (a configuration that cannot work): its error, on
     each rank, and how long it took (the group's timeout is 60 s)."""
     return _error_of(lambda: smddp_lite.init(timeout=timedelta(seconds=60)))
+
+
+def settings_differ(settings_of_rank: dict[str, dict[str, str]], numel: int = 1 << 20) -> dict:
+    """Ranks whose SMDDP_* settings differ (``settings_of_rank``: rank -> variables, set before
+    init): init's error on each rank, or, where init passed, what an all_reduce of ``numel``
+    ones then returned (or raised)."""
+    rank = int(os.environ["TEST_RANK"])
+    os.environ.update(settings_of_rank.get(str(rank), {}))
+    init = _error_of(lambda: smddp_lite.init(timeout=timedelta(seconds=30)))
+    if init["type"] is not None:
+        return {"init": init}
+    t = torch.ones(numel)
+    call = _error_of(lambda: dist.all_reduce(t))
+    return {"init": init, "call": call, "sum_right": bool((t == dist.get_world_size()).all())}
+
+
+def steps_differ_under_one_call() -> dict:
+    """On one host of 2 ranks, under the hierarchical transport, the two ranks' shared-memory
+    parts run different steps while naming the same user call (which settings that agree cannot
+    cause: shared_settings.py): the error each raises."""
+    smddp_lite.init(timeout=timedelta(seconds=30))
+    transport = dist.group.WORLD.transport
+    transport.begin_call(1, "all_reduce")
+    transport.calling = signature("all_reduce", torch.float32, 8)  # the same on both ranks
+    intra, t = transport.intra, torch.ones(8)
+    step = (lambda: intra.all_reduce(t, RedOp.SUM)) if transport.local_rank == 0 else (lambda: intra.broadcast(t, 0))
+    return _error_of(step)
 
 
 def mpi_subgroups_on_simulated_hosts(per_host: int = 2) -> dict:

@@ -396,6 +396,63 @@ def test_shm_forced_across_hosts_is_refused_on_every_rank():
         assert error["seconds"] < 10, error
 
 
+# launch options, the variables one rank or host sets, and what every rank must be told. Before
+# init compared them: shm returned a wrong sum (the chunk size lays out shared memory), the hosts
+# with the other chunk size aborted in gloo, the rank that checked calls waited out the timeout
+SETTINGS_DIFFER_CASES = {
+    "shm-chunk": (2, {"env": {"SMDDP_TRANSPORT": "shm"}}, {"1": {"SMDDP_SHM_CHUNK_BYTES": "65536"}},
+                  "SMDDP_SHM_CHUNK_BYTES is 1048576 on rank 0 and 65536 on rank 1"),
+    "hierarchical-chunk-on-one-host": (
+        4, {"env": {"SMDDP_ALGORITHM": "hierarchical"}, "hosts_of": 2},
+        {"2": {"SMDDP_HIERARCHICAL_CHUNK_BYTES": "65536"}, "3": {"SMDDP_HIERARCHICAL_CHUNK_BYTES": "65536"}},
+        "SMDDP_HIERARCHICAL_CHUNK_BYTES is 4194304 on ranks 0-1 and 65536 on ranks 2-3"),
+    "debug-on-one-rank": (2, {"env": {"SMDDP_TRANSPORT": "gloo"}}, {"1": {"SMDDP_DEBUG": "1"}},
+                          "SMDDP_CHECK_COLLECTIVES (SMDDP_DEBUG turns it on too) is disabled on rank 0 and enabled "
+                          "on rank 1"),
+    "wire-dtype-on-one-host": (4, {"env": {}, "hosts_of": 2},
+                               {"0": {"SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"},
+                                "1": {"SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}},
+                               "SMDDP_INTER_NODE_WIRE_DTYPE is bfloat16 on ranks 0-1 and unset on ranks 2-3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SETTINGS_DIFFER_CASES))
+def test_ranks_whose_settings_differ_are_refused_at_init_on_every_rank(case):
+    world, launch, settings, said = SETTINGS_DIFFER_CASES[case]
+    reports = harness.values(harness.launch("tests.programs:settings_differ", world, settings_of_rank=settings,
+                                            **launch))
+    for rank, report in enumerate(reports):
+        error = report["init"]
+        assert error["type"] == "ValueError", (rank, report)
+        assert f"[smddp rank {rank}/{world}" in error["message"], error
+        assert said in error["message"], error
+        assert "mpirun needs -x VARIABLE" in error["message"], error
+        assert error["seconds"] < 10, error
+
+
+def test_ranks_whose_settings_agree_are_not_refused():
+    """Settings that stay on their rank (the scratch size, blocking waits) may differ."""
+    settings = {"1": {"SMDDP_SCRATCH_MAX_BYTES": "0", "SMDDP_BLOCKING_WAIT": "1"}}
+    for report in harness.values(harness.launch("tests.programs:settings_differ", 2, settings_of_rank=settings,
+                                                env={"SMDDP_TRANSPORT": "shm"})):
+        assert report["init"]["type"] is None and report["call"]["type"] is None and report["sum_right"], report
+
+
+def test_steps_that_differ_under_one_call_are_named_as_a_bug():
+    """With settings that agree, ranks of one host cannot take different steps for one call;
+    if they do (the program makes them), the message names the steps and says it is a bug in
+    smddp-lite, not a hint about the user's tensors."""
+    reports = harness.values(harness.launch("tests.programs:steps_differ_under_one_call", 4, hosts_of=2,
+                                            env={"SMDDP_ALGORITHM": "hierarchical"}))
+    for rank, error in enumerate(reports):
+        assert error["type"] == "CollectiveMismatchError", (rank, error)
+        first = rank - rank % 2
+        assert (f"rank {first}: all_reduce(numel=8, dtype=float32, op=SUM); "
+                f"rank {first + 1}: broadcast(numel=8, dtype=float32, root=0)") in error["message"], error
+        assert "this is a bug in smddp-lite" in error["message"], error
+        assert "same size" not in error["message"], error
+
+
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
 def test_dead_peer_raises_naming_rank_and_op(transport):
     results = harness.launch("tests.programs:peer_dies", 2, env=TRANSPORT_ENVS[transport])

@@ -12,6 +12,7 @@ from .base import Transport
 from .hierarchical import Topology
 from .mpi_environment import INSTALL_HINT as MPI_INSTALL_HINT, cross_memory_attach_permitted
 from .refusals import RefusalBoard
+from .shared_settings import disagreement, shared_values
 
 log = logging.getLogger("smddp_lite")
 
@@ -33,9 +34,15 @@ def _shm_possible() -> bool:
 
 
 def _choose(store, rank: int, world_size: int, config) -> tuple[str, str, list[str]]:
-    """(transport, reason, every rank's host); ranks publish their host name, rank 0 decides."""
-    store.set(f"host/{rank}", host_name(config))
-    hosts = [store.get(f"host/{r}").decode() for r in range(world_size)]
+    """(transport, reason, every rank's host); ranks publish their host name and the settings
+    they must share, every rank checks those, rank 0 decides."""
+    # one key per rank for both: a group's init reads world_size keys on every rank
+    store.set(f"host/{rank}", f"{host_name(config)}\n{shared_values(config)}")
+    hosts, published = zip(*(store.get(f"host/{r}").decode().split("\n", 1) for r in range(world_size)))
+    hosts = list(hosts)
+    differ = disagreement(list(published))
+    if differ is not None:  # every rank read the same keys: each raises this itself
+        raise ValueError(f"{where(rank, world_size, 'init')} {differ}")
     if rank != 0:
         name, reason = store.get("transport").decode().split("|", 1)
         if name == "error":  # rank 0 refused the choice: every rank says why, not only rank 0

@@ -92,12 +92,19 @@ class ShmSegment:
         if (headers == np.asarray(header, dtype=np.int64)).all():
             return
         rows = [tuple(int(v) for v in h) for h in headers]
-        if len({row[_CALL_FIELDS] for row in rows}) == 1:
-            # the users' calls agree and their steps do not (ranks configured apart): name the steps
+        look = None
+        if len({row[_CALL_FIELDS] for row in rows}) == 1 and any(rows[0][_CALL_FIELDS]):
+            # the users' calls (shown where the ops are steps of one: the hierarchical
+            # transport's) agree and their steps do not: name the steps. The settings that
+            # choose steps agree (init compares them: shared_settings.py), so nothing the user
+            # did explains it
             rows = [row[: _CALL_FIELDS.start] + (0,) * len(HEADER_FIELDS[_CALL_FIELDS]) for row in rows]
+            look = ("The ranks made the same call and took different steps for it, with the same settings: this "
+                    "is a bug in smddp-lite. Please report it with this message and the log of a run with "
+                    "SMDDP_DEBUG=1 on every rank.")
         calls = [(self._shown(r), row[1], signature_of(row)) for r, row in enumerate(rows)]
         self.broken = True
-        said = mismatch_said(calls)
+        said = mismatch_said(calls, look=look)
         if announce is not None:
             announce(said)
         raise explained(said, self._where(numbered=False))
