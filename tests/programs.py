@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import smddp_lite
-from backend.ops import RedOp
-from backend.signatures import signature
+from smddp_lite.backend.ops import RedOp
+from smddp_lite.backend.signatures import signature
 
 
 def _error_of(fn) -> dict:
@@ -781,6 +781,37 @@ def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float 
     scale = max(float(p.abs().max()) for p in eager_module.parameters())
     dist.destroy_process_group()
     return {"max_diff": diff, "max_abs": scale, "losses": losses, "buckets": len(opt_c.buckets)}
+
+
+def compiled_apart(kind: str, steps: int = 2) -> dict:
+    """``smddp_lite.compile`` where the last rank's model or options differ from the others'
+    (``kind``): compile's error on each rank, or what training then did."""
+    smddp_lite.init(timeout=timedelta(seconds=30))
+    odd = dist.get_rank() == dist.get_world_size() - 1
+    torch.manual_seed(0)
+    width = 65 if odd and kind == "model" else 64
+    model = torch.nn.Sequential(torch.nn.Linear(33, width), torch.nn.Tanh(), torch.nn.Linear(width, 5))
+    if kind in ("buffers", "same"):  # running statistics: broadcast_buffers matters
+        model.insert(1, torch.nn.BatchNorm1d(width))
+    if kind == "frozen" and odd:
+        model[0].bias.requires_grad_(False)
+    options = {"bucket_cap_mb": 0.01}
+    if odd:
+        options.update({"bucket": {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.001}, "wire": {"wire_dtype": "bfloat16"},
+                        "clip": {"max_grad_norm": 0.01}, "buffers": {"broadcast_buffers": False}}.get(kind, {}))
+    made = {}
+    compiled = _error_of(lambda: made.update(zip(("model", "optimizer"), smddp_lite.compile(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), **options))))
+    if compiled["type"] is not None:
+        return {"compile": compiled}
+    def train() -> None:
+        for _ in range(steps):
+            made["model"](torch.randn(8, 33)).square().mean().backward()
+            made["optimizer"].step()
+            made["optimizer"].zero_grad()
+    report = {"compile": compiled, "train": _error_of(train)}
+    report["params"] = [p.detach().double().sum().item() for p in made["model"].parameters()]
+    return report
 
 
 def compiled_batchnorm_buffers(broadcast_buffers: bool = True) -> dict:

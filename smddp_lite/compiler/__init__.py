@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import compile_config
+from .agreement import check_ranks_agree, what_must_agree
 from .buckets import describe, materialize, plan_buckets
 from .model import CompiledModel
 from .optimizer import CompiledOptimizer, optimizer_family, step_counts
@@ -68,6 +69,10 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
     # each with its own step count, as torch.optim keeps one per parameter
     buckets = plan_buckets(ordered, int(config.bucket_cap_mb * mib), int(config.first_bucket_mb * mib),
                            step_counts(optimizer, family))
+    if world > 1:  # before anything changes: a rank that differs would otherwise hang, abort or drift
+        check_ranks_agree(group, dist.get_rank(), world, next(iter(devices), torch.device("cpu")),
+                          what_must_agree(model, [p for _, p in ordered], buckets, family,
+                                          len(optimizer.param_groups), config))
     previous = _REDUCERS.pop(model, None)
     if previous is not None:
         previous.detach()

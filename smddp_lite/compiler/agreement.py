@@ -1,0 +1,99 @@
+"""What every rank's ``compile`` must agree on, checked across ranks before anything is compiled.
+
+Each rank's compiled step makes its collectives from its own model, optimizer and options. Where
+they differ the collectives do not line up, and what users saw was far from the cause: a
+mismatch error about a broadcast, gloo aborting a rank, or, worst, nothing at all: a rank that
+clips gradients (or rounds them to its own wire dtype) while the others do not trains on
+silently, its parameters drifting apart from theirs. So compile compares, in one small
+all_gather, a fingerprint of what shapes the collectives and the update; only where
+fingerprints differ does a second all_gather bring each rank's words, and every rank raises the
+same error naming what differs, its value on each rank, and what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from ..backend.errors import ranks_said
+
+SAME_MODEL = "build the same model on every rank, with the same parameters trainable (requires_grad)"
+SAME_OPTIONS = "pass the same compile options (or SMDDP_* variables) on every rank"
+
+
+def _tensors(tensors: list[torch.Tensor]) -> tuple[str, str]:
+    """(count and size in words, a fingerprint of every shape and dtype in order)."""
+    said = f"{len(tensors)} tensor{'s' if len(tensors) != 1 else ''} of {sum(t.numel() for t in tensors)} elements"
+    shapes = repr([(tuple(t.shape), str(t.dtype)) for t in tensors])
+    return said, f"shapes and dtypes #{zlib.crc32(shapes.encode()):08x}"
+
+
+BUCKETS = "buckets (bucket_cap_mb, first_bucket_mb; SMDDP_BUCKET_CAP_MB, SMDDP_FIRST_BUCKET_MB)"
+
+
+def what_must_agree(model: torch.nn.Module, trainable: list[torch.Tensor], buckets, family: str,
+                    param_groups: int, config) -> list[tuple[str, str, str]]:
+    """(what, this rank's value in words, how to fix a difference), in the order differences
+    are reported."""
+    trained, trained_shapes = _tensors(trainable)
+    kept = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+    broadcast, broadcast_shapes = _tensors(kept)
+    sizes = repr([(b.numel, str(b.dtype)) for b in buckets])
+    return [
+        ("trainable parameters", trained, SAME_MODEL),
+        ("trainable parameters", trained_shapes, SAME_MODEL),
+        ("frozen parameters and buffers (broadcast from rank 0)", broadcast, SAME_MODEL),
+        ("frozen parameters and buffers (broadcast from rank 0)", broadcast_shapes, SAME_MODEL),
+        ("optimizer", f"{family} with {param_groups} param group{'s' if param_groups != 1 else ''}", "build the same optimizer on every rank"),
+        ("wire_dtype (SMDDP_WIRE_DTYPE)", str(config.wire_dtype or "unset"), SAME_OPTIONS),
+        ("max_grad_norm (SMDDP_MAX_GRAD_NORM)", str(config.max_grad_norm), SAME_OPTIONS),
+        # without buffers it changes nothing
+        ("broadcast_buffers (SMDDP_BROADCAST_BUFFERS)",
+         str(config.broadcast_buffers) if any(b.numel() for b in model.buffers()) else "unused", SAME_OPTIONS),
+        (BUCKETS, f"{len(buckets)} bucket{'s' if len(buckets) != 1 else ''}, sizes #{zlib.crc32(sizes.encode()):08x}", SAME_OPTIONS),
+    ]
+
+
+def check_ranks_agree(group, rank: int, world: int, device: torch.device, entries: list[tuple[str, str, str]]) -> None:
+    """Raise one ValueError on every rank where ``entries`` (``what_must_agree``) differ across
+    the ranks of ``group``. Collective: every rank must call it; one all_gather of two numbers
+    where the ranks agree."""
+    words = json.dumps([value for _, value, _ in entries]).encode()
+    mine = torch.tensor([zlib.crc32(words), len(words)], dtype=torch.int64, device=device)
+    table = torch.empty(world * 2, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(table, mine, group=group)
+    rows = table.view(world, 2).tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    # every rank saw the same table, so every rank makes this second call
+    longest = max(length for _, length in rows)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: len(words)] = torch.frombuffer(bytearray(words), dtype=torch.uint8)
+    everyone = torch.empty(world * longest, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(everyone, padded.to(device), group=group)
+    flat = everyone.cpu().view(world, longest)
+    values = [json.loads(bytes(flat[r, :length].tolist())) for r, (_, length) in enumerate(rows)]
+    raise ValueError(f"smddp_lite.compile (rank {rank}/{world}): the ranks compiled different models or options, "
+                     "so their collectives would not line up (a hang, an abort, or parameters that drift apart): "
+                     f"{_differences(entries, values)} Nothing was compiled: the model and optimizer are as they "
+                     "were.")
+
+
+def _differences(entries: list[tuple[str, str, str]], values: list[list[str]]) -> str:
+    """What differs, each with every rank's value, then what to do about it."""
+    said, named, fixes = [], set(), []
+    for i, (what, _, fix) in enumerate(entries):
+        holders: dict[str, list[int]] = {}
+        for r, theirs in enumerate(values):
+            holders.setdefault(theirs[i], []).append(r)
+        # a count that differs is named once (not again by its shapes), and models that differ
+        # make other buckets anyway
+        if len(holders) == 1 or what in named or (what == BUCKETS and named & {e[0] for e in entries[:4]}):
+            continue
+        named.add(what)
+        said.append(f"{what}: {', '.join(f'{v} on {ranks_said(r)}' for v, r in holders.items())}")
+        fixes += [] if fix in fixes else [fix]
+    return f"{'; '.join(said)}. " + " ".join(f"{fix[0].upper()}{fix[1:]}." for fix in fixes)
