@@ -952,6 +952,23 @@ def link_bytes(op: str, dtype: str, numel: int = 1 << 20, calls: int = 4, redop:
             "exact": exact}
 
 
+def broadcasts_from_every_root(numels: list[int], dtype: str = "float32") -> dict:
+    """A broadcast of each size in ``numels`` from every rank (the root's values depend on the
+    root; the others pass garbage): the calls whose result was not the root's tensor."""
+    smddp_lite.init(timeout=timedelta(seconds=60))
+    rank, world, kind = dist.get_rank(), dist.get_world_size(), getattr(torch, dtype)
+    wrong = []
+    for root in range(world):
+        for numel in numels:
+            want = (torch.arange(numel, dtype=torch.float64) * (root + 1) % 251).to(kind)
+            t = want.clone() if rank == root else torch.full((numel,), -7.0, dtype=kind)
+            dist.broadcast(t, src=root)
+            if not torch.equal(t, want):
+                wrong.append(f"root {root}, {numel} elements")
+    dist.destroy_process_group()
+    return {"wrong": wrong}
+
+
 def reduce_scatter_rounding(dtype: str, numel_per_rank: int = 1024) -> list[float]:
     """One reduce_scatter_tensor whose inputs round differently in bfloat16 than in float32:
     rank 0 gives 1 + 2**-9 (which rounds to 1 in bfloat16), every other rank 2**-8. Returns the

@@ -132,6 +132,23 @@ def test_16_bit_sums_between_three_hosts_round_as_configured(accumulate):
     assert all(r == results[0] for r in results), "every rank must hold the same sums"
 
 
+@pytest.mark.parametrize("world, hosts_of", [(6, 2), (4, 1)])
+def test_broadcast_between_more_than_two_hosts_chains_its_pieces_and_delivers_them(world, hosts_of):
+    """Pieces of 4 KiB: 1 element and 1000 float32 are one piece (gloo's tree between hosts), 4097
+    and 30000 are 5-30 pieces, parts of uneven size included (a chain); every root, every rank."""
+    from . import harness
+
+    env = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_HIERARCHICAL_CHUNK_BYTES": "4096", "SMDDP_DEBUG": "1"}
+    results = harness.launch("tests.programs:broadcasts_from_every_root", world, env=env, hosts_of=hosts_of,
+                             numels=[1, 1000, 4097, 30000])
+    for rank, report in enumerate(harness.values(results)):
+        assert report["wrong"] == [], (rank, report)
+    hosts = world // hosts_of
+    # the debug log names each choice once, at its first call
+    assert f"broadcast of 4 bytes in 1 piece crosses {hosts} hosts in gloo's tree" in results[0].output
+    assert f"broadcast of 16388 bytes in 5 pieces crosses {hosts} hosts in a chain" in results[0].output
+
+
 @pytest.mark.parametrize("dtype, wire, want", [
     # 16-bit blocks are summed in float32 where they arrive: 1 + 2**-8 + 2**-8 is exact (a sum in
     # bfloat16 would round 1 + 2**-8 back to 1 at its first addition)

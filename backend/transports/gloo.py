@@ -203,6 +203,16 @@ class GlooTransport(Transport):
     def barrier(self) -> None:
         self._run("barrier", self._pg.barrier(dist.BarrierOptions()))
 
+    def send_async(self, tensor: torch.Tensor, dst: int, tag: int):
+        """Start sending ``tensor`` to rank ``dst``, matched by ``tag`` with its recv_async (a
+        step of a collective: the hierarchical broadcast's chain); returns its wait."""
+        work = self._pg.send([tensor], dst, tag)
+        return lambda: self._run("send", work)
+
+    def recv_async(self, tensor: torch.Tensor, src: int, tag: int):
+        work = self._pg.recv([tensor], src, tag)
+        return lambda: self._run("recv", work)
+
     def close(self) -> None:
         self._pg = None
         self._scratch.release()

@@ -106,7 +106,7 @@ class HierarchicalTransport(Transport):
         # (L, N): for each local index j, the ranks with that index, host by host; the order in
         # which the inter-host groups' blocks sit after the step inside the host
         self.by_local_index = [topology.local[k][j] for j in range(self.per_node) for k in range(self.nodes)]
-        self._logged: set[tuple[str, bool]] = set()
+        self._logged: set[tuple[str, bool, bool]] = set()
         # A refusal of one of this group's calls is posted under the group's call index, and every
         # part looks for it there, so a rank waiting in any of them hears of it: a peer on another
         # host refusing the call (in gloo), or a peer on this host waiting in shared memory for a
@@ -357,17 +357,29 @@ class HierarchicalTransport(Transport):
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """The root's host shares the tensor in shared memory, then each of its L ranks sends its
         1/L of it to the ranks of its local index on the other hosts, and each other host
-        all-gathers the L parts. Each host's link carries the tensor once. gloo's own broadcast
-        (a binomial tree over ranks, blind to hosts) sends it once per rank on the other hosts in
-        its later rounds: L times over the root host's link. Pieces of hierarchical_chunk_bytes,
-        all started at once, keep the link busy while earlier pieces are gathered."""
+        all-gathers the L parts. gloo's own broadcast (a binomial tree over ranks, blind to
+        hosts) sends it once per rank on the other hosts in its later rounds: L times over the
+        root host's link. Pieces of hierarchical_chunk_bytes, all started at once, keep the link
+        busy while earlier pieces are gathered.
+
+        Between hosts the parts go down gloo's tree over hosts, or, where that is slower, a chain
+        (``_chains``): the tree's root host sends each piece once per round (log2 N rounds), the
+        chain's hosts each send it once, a host forwarding a piece as soon as it has it."""
         if not self._hierarchical("broadcast", tensor.numel() * tensor.element_size()):
             return self.flat.broadcast(tensor, root)
         root_node, L = self.topo.node_of[root], self.per_node
         sends = self.node == root_node
         piece = max(L, self.chunk_bytes // tensor.element_size() // L * L)  # whole parts per piece
-        started = []
-        for start in range(0, tensor.numel(), piece):
+        pieces = math.ceil(tensor.numel() / piece)
+        chain = self._chains(pieces)
+        logged = ("broadcast between hosts", chain, False)
+        if self.debug and self.rank == 0 and self.nodes > 2 and logged not in self._logged:
+            self._logged.add(logged)
+            log.info("smddp: broadcast of %d bytes in %d piece%s crosses %d hosts in %s",
+                     tensor.numel() * tensor.element_size(), pieces, "s" if pieces != 1 else "", self.nodes,
+                     "a chain" if chain else "gloo's tree (fewer steps)")
+        started, forwarded = [], []
+        for index, start in enumerate(range(0, tensor.numel(), piece)):
             chunk = tensor[start : start + piece]
             size = math.ceil(chunk.numel() / L)  # each local rank's part; the last may be short or empty
             mine = chunk[self.local_rank * size : (self.local_rank + 1) * size]
@@ -379,9 +391,43 @@ class HierarchicalTransport(Transport):
                 part = torch.empty(size, dtype=tensor.dtype)
                 then = lambda _, chunk=chunk, part=part, size=size: self._gather_parts(chunk, part, size)
             # a part is empty on every host alike (same numel), so skipping it keeps gloo's order
-            wait = self.inter.broadcast_async(part[: mine.numel()], root_node) if mine.numel() else (lambda: None)
+            if not mine.numel():
+                wait = lambda: None
+            elif chain:
+                wait = self._chain_link(part[: mine.numel()], root_node, index, forwarded)
+            else:
+                wait = self.inter.broadcast_async(part[: mine.numel()], root_node)
             started.append((wait, then))
-        _end_in_start_order(started)
+        try:
+            _end_in_start_order(started)
+        finally:  # every send started ends, also after a failure (a raise here keeps the first)
+            _end_in_start_order([(forward, None) for forward in forwarded])
+
+    def _chains(self, pieces: int) -> bool:
+        """Whether a broadcast of ``pieces`` pieces crosses hosts faster in a chain than in
+        gloo's binomial tree, counting link times of one piece: the tree's root host sends every
+        piece once in each of its ceil(log2 N) rounds; the chain's last host has every piece
+        after pieces + N - 2 (it fills the chain's N - 1 links, then one piece follows another).
+        Between two hosts both are one send; on 4 hosts a chain wins from 3 pieces."""
+        return self.nodes > 2 and pieces + self.nodes - 2 < pieces * math.ceil(math.log2(self.nodes))
+
+    def _chain_link(self, part: torch.Tensor, root_node: int, index: int, forwarded: list) -> Callable[[], None]:
+        """Start this host's link of the chain that carries piece ``index``'s ``part`` from the
+        root's host through the others in host order; returns its wait. The root's host sends; a
+        host in the middle receives, and in that wait starts sending it on (its wait goes to
+        ``forwarded``); the last host receives."""
+        N = self.nodes
+        after, before = (self.node + 1) % N, (self.node - 1) % N
+        if self.node == root_node:
+            return self.inter.send_async(part, after, index)
+        received = self.inter.recv_async(part, before, index)
+        if after == root_node:
+            return received
+
+        def wait() -> None:
+            received()
+            forwarded.append(self.inter.send_async(part, after, index))
+        return wait
 
     def _gather_parts(self, chunk: torch.Tensor, part: torch.Tensor, size: int) -> None:
         """All-gather the L local ranks' parts (``size`` elements each, the last ones possibly
