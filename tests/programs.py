@@ -952,9 +952,10 @@ def link_bytes(op: str, dtype: str, numel: int = 1 << 20, calls: int = 4, redop:
             "exact": exact}
 
 
-def broadcasts_from_every_root(numels: list[int], dtype: str = "float32") -> dict:
+def broadcasts_from_every_root(numels: list[int], dtype: str = "float32", late_s: float = 0.0) -> dict:
     """A broadcast of each size in ``numels`` from every rank (the root's values depend on the
-    root; the others pass garbage): the calls whose result was not the root's tensor."""
+    root; the others pass garbage): the calls whose result was not the root's tensor. The root
+    enters its largest broadcast ``late_s`` late: the others wait that long for its data."""
     smddp_lite.init(timeout=timedelta(seconds=60))
     rank, world, kind = dist.get_rank(), dist.get_world_size(), getattr(torch, dtype)
     wrong = []
@@ -962,6 +963,8 @@ def broadcasts_from_every_root(numels: list[int], dtype: str = "float32") -> dic
         for numel in numels:
             want = (torch.arange(numel, dtype=torch.float64) * (root + 1) % 251).to(kind)
             t = want.clone() if rank == root else torch.full((numel,), -7.0, dtype=kind)
+            if rank == root and numel == max(numels):
+                time.sleep(late_s)
             dist.broadcast(t, src=root)
             if not torch.equal(t, want):
                 wrong.append(f"root {root}, {numel} elements")

@@ -6,6 +6,8 @@ TCP, which is why it is the fallback when ranks do not share a host and no MPI l
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -13,7 +15,7 @@ from ..errors import PeerFailureError
 from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum
 from ..scratch import DEFAULT_MAX_BYTES, Scratch
 from .base import Transport, overlap
-from .refusals import POLL, explained
+from .refusals import POLL, POLL_S, explained
 
 _TORCH_OP = {
     RedOp.SUM: dist.ReduceOp.SUM,
@@ -206,12 +208,35 @@ class GlooTransport(Transport):
     def send_async(self, tensor: torch.Tensor, dst: int, tag: int):
         """Start sending ``tensor`` to rank ``dst``, matched by ``tag`` with its recv_async (a
         step of a collective: the hierarchical broadcast's chain); returns its wait."""
-        work = self._pg.send([tensor], dst, tag)
-        return lambda: self._run("send", work)
+        return self._waited_aside("send", self._pg.send([tensor], dst, tag))
 
     def recv_async(self, tensor: torch.Tensor, src: int, tag: int):
-        work = self._pg.recv([tensor], src, tag)
-        return lambda: self._run("recv", work)
+        return self._waited_aside("recv", self._pg.recv([tensor], src, tag))
+
+    def _waited_aside(self, op: str, work):
+        """A wait for gloo send or recv work, which cannot be waited in slices as collectives are:
+        gloo fails a pair whose bounded wait ran out ("Timed out waiting 50ms for recv"), and its
+        is_completed() stays False until wait() returns. So a thread waits for it unbounded (gloo
+        bounds it by the group's timeout), and the wait returned looks for refusals meanwhile."""
+        ended, failure = threading.Event(), []
+
+        def wait() -> None:
+            try:
+                self._wait(op, work, None)
+            except Exception as exc:  # handed to the caller's wait
+                failure.append(exc)
+            finally:
+                ended.set()
+
+        threading.Thread(target=wait, name=f"smddp-gloo-{op}", daemon=True).start()
+
+        def finish() -> None:
+            while not ended.wait(POLL_S):
+                if self.refusals is not None:
+                    self.refusals.raise_if_told(self.call_index, self.where(op))
+            if failure:
+                raise failure[0]
+        return finish
 
     def close(self) -> None:
         self._pg = None
