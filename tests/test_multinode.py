@@ -97,6 +97,28 @@ def test_cluster_refuses_without_root(monkeypatch):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
+def test_closing_the_cluster_ends_processes_that_left_their_session():
+    """torchrun starts each worker in a session of its own: killing the session the cluster
+    started (torchrun's) left the ranks running. A process that leaves its session the same way
+    (setsid) must end with the cluster."""
+    import time
+
+    from benchmarks.multinode.cluster import SimCluster
+
+    with SimCluster(2) as cluster:
+        proc = cluster.spawn(1, ["sh", "-c", "setsid sleep 600 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+        escaped = int(proc.stdout.readline())
+        deadline = time.monotonic() + 10
+        while os.getsid(escaped) == os.getsid(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)  # setsid has not run yet
+        assert os.getsid(escaped) != os.getsid(proc.pid)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{escaped}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{escaped}"), "a process that left its session outlived the cluster"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
 def test_one_failing_host_ends_the_job_with_its_output():
     # host 1 fails at once while host 0 would wait 10 minutes, as torchrun waits for a host that
     # never joins its rendezvous: the job must end within the grace period, naming both hosts

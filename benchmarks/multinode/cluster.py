@@ -105,6 +105,16 @@ class SimCluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _kill_left_in_hosts(self) -> None:
+        """End every process still inside a host's network namespace: those that left the session
+        they were started in survive the killpg, and torchrun starts each worker in a session of
+        its own (a killed torchrun left all its ranks running, in namespaces about to go)."""
+        for ns in self.ns:
+            found = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            for pid in found.stdout.split():  # nothing (and an error) where the namespace was never made
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+
     def _on_signal(self, signum, frame) -> None:
         self.close()
         raise SystemExit(128 + signum)
@@ -154,6 +164,7 @@ class SimCluster:
         for p in self.procs:  # each was started in its own session: end everything it started
             with contextlib.suppress(ProcessLookupError):  # it has ended already
                 os.killpg(p.pid, signal.SIGKILL)
+        self._kill_left_in_hosts()
         for p in self.procs:
             try:
                 p.wait(timeout=10)
