@@ -91,7 +91,7 @@ def _differences(entries: list[tuple[str, str, str]], values: list[list[str]]) -
             holders.setdefault(theirs[i], []).append(r)
         # a count that differs is named once (not again by its shapes), and models that differ
         # make other buckets anyway
-        if len(holders) == 1 or what in named or (what == BUCKETS and named & {e[0] for e in entries[:4]}):
+        if len(holders) == 1 or what in named or (what == BUCKETS and SAME_MODEL in fixes):
             continue
         named.add(what)
         said.append(f"{what}: {', '.join(f'{v} on {ranks_said(r)}' for v, r in holders.items())}")
