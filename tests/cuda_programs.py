@@ -79,6 +79,65 @@ def ddp_parity(steps: int = 8) -> dict:
     return {"max_diff": diff}
 
 
+def compiled_parity(steps: int = 10, wire_dtype: str | None = None, poison: tuple[int, ...] = (4,)) -> dict:
+    """smddp_lite.compile on CUDA (buckets reduced over smddp, the fused Triton update compiled for
+    the GPU) against DDP on torch's own backend + torch.optim.AdamW, both with a GradScaler and
+    clipping to 0.5, on the same per-rank batches; step ``poison`` has an infinite loss, which
+    both must skip. Reports the largest parameter difference and the largest difference of the
+    .grad each leaves after the last step (unscaled and clipped, which the fused kernel writes)."""
+    import copy
+
+    device = _device()
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = dist.new_group(backend="nccl" if world == 1 else "gloo")
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(33, 256), torch.nn.Tanh(), torch.nn.Linear(256, 5)).to(device)
+    eager_module, compiled_module = copy.deepcopy(base), copy.deepcopy(base)
+    eager = torch.nn.parallel.DistributedDataParallel(eager_module, device_ids=[device.index],
+                                                      process_group=reference, bucket_cap_mb=0.01)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=3e-3, weight_decay=0.01)
+    compiled, opt_c = smddp_lite.compile(compiled_module, torch.optim.AdamW(compiled_module.parameters(), lr=3e-3,
+                                                                             weight_decay=0.01),
+                                         bucket_cap_mb=0.01, first_bucket_mb=0.001, wire_dtype=wire_dtype,
+                                         max_grad_norm=0.5)
+    scalers = {name: torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=3) for name in ("eager", "compiled")}
+    teacher = torch.randn(33, 5, generator=torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    losses = {"eager": [], "compiled": []}
+    grads = {}
+    for step in range(steps):
+        x = torch.randn(16, 33, generator=gen)
+        y = (x @ teacher).argmax(1)
+        x, y = x.to(device), y.to(device)
+        for name, model, opt in (("eager", eager, opt_e), ("compiled", compiled, opt_c)):
+            scaler = scalers[name]
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            losses[name].append(loss.item())
+            if step in poison:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            if name == "eager":
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=True)
+            scaler.step(opt)
+            scaler.update()
+            if step == steps - 1:
+                grads[name] = [p.grad.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+    params = zip(eager_module.parameters(), compiled_module.parameters())
+    result = {"max_diff": max(float((a - b).abs().max()) for a, b in params),
+              "max_abs": max(float(p.abs().max()) for p in eager_module.parameters()),
+              "grad_diff": max(float((a - b).abs().max()) for a, b in zip(grads["eager"], grads["compiled"])),
+              "grad_abs": max(float(g.abs().max()) for g in grads["eager"]),
+              "scales": {name: s.get_scale() for name, s in scalers.items()},
+              "steps_taken": int(opt_c.state_dict()["state"][0]["step"].item()),
+              "losses": losses, "buckets": len(opt_c.buckets), "transport": smddp_lite_cuda_transport(),
+              "bucket_device": str(opt_c.buckets[0].grad_flat.device)}
+    dist.destroy_process_group()
+    return result
+
+
 def moved_dtypes() -> dict:
     """Ops that only move data, on dtypes NCCL has no type for: each must give the input back
     (world size 1) and none may be sent through host memory (the debug log says when one is)."""

@@ -255,6 +255,27 @@ def test_ddp_on_cuda_matches_torch(transport, world):
 
 
 @on_gpu
+@pytest.mark.parametrize("wire", [None, "bfloat16"])
+@pytest.mark.parametrize("transport, world", [pytest.param("nccl", 1, marks=needs_cupy), ("staged", 2)])
+def test_compiled_step_on_cuda_matches_ddp_with_a_grad_scaler(transport, world, wire):
+    """The compiled step on the GPU: its agreement check and buckets on CUDA, the fused update as
+    a compiled Triton kernel (not the interpreter CI runs), the unscaled, clipped .grad it writes
+    back, and a skipped inf step, against DDP on torch's backend + AdamW + GradScaler."""
+    env = {"SMDDP_CUDA_TRANSPORT": transport}
+    results = harness.values(harness.launch("tests.cuda_programs:compiled_parity", world, env=env, wire_dtype=wire))
+    for rank, r in enumerate(results):
+        assert r["transport"] == transport and r["bucket_device"] == "cuda:0" and r["buckets"] > 1, (rank, r)
+        assert r["scales"]["compiled"] == r["scales"]["eager"] and r["steps_taken"] == 9, (rank, r)  # 1 of 10 skipped
+        if wire is None:
+            # float32: one addition of two numbers at most (order-free), then the fused update's
+            # few ulps per step against torch's AdamW
+            assert r["max_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 * max(1.0, r["grad_abs"]), (rank, r)
+        else:  # 8 bits of mantissa on the wire: ~2**-8 relative per gradient, ~lr per step
+            assert r["max_diff"] < 10 * 3e-3, (rank, r)
+    losses = results[0]["losses"]["compiled"]
+    assert losses[-1] < losses[0], losses
+
+@on_gpu
 @needs_cupy
 def test_dtypes_without_an_nccl_type_are_moved_as_bytes_over_nccl():
     """float8 (FSDP2's float8 all_gather), int16 and complex: broadcast, all_gather and
