@@ -123,6 +123,9 @@ def from_torch(reduce_op: object) -> RedOp:
 
 
 Factor = float | torch.Tensor  # a PREMUL_SUM's: a number, or a one-element tensor
+# Whether a PREMUL_SUM's factor reaches Python: older torch keeps it in C++, where only its own
+# backends see it (torch 2.11 on the GPU machine of 2026-11-26 did)
+FACTOR_READABLE = hasattr(dist.ReduceOp, "factor")
 
 
 def reduction(reduce_op: object) -> tuple[RedOp, Factor | None]:
@@ -132,6 +135,10 @@ def reduction(reduce_op: object) -> tuple[RedOp, Factor | None]:
     op = getattr(reduce_op, "op", reduce_op)
     if op != dist.ReduceOp.RedOpType.PREMUL_SUM:
         return from_torch(reduce_op), None
+    if not FACTOR_READABLE:
+        raise ValueError(f"PREMUL_SUM: torch {torch.__version__} does not let a backend written in Python read the "
+                         "factor (torch 2.13 does, as ReduceOp.factor); upgrade torch, or multiply the input by the "
+                         "factor and reduce with ReduceOp.SUM")
     factor = getattr(reduce_op, "factor", None)
     if isinstance(factor, torch.Tensor) and factor.numel() == 1 and factor.is_floating_point():
         return RedOp.SUM, factor.reshape(())

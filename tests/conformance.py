@@ -16,6 +16,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from smddp_lite.backend import ops
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
           torch.uint8, torch.int8, torch.bool]
 # dtypes that ops which only move data carry as bytes (FSDP2's float8 all_gather); reductions refuse them
@@ -171,8 +173,10 @@ def case_premul_sum(dtype, rank, world, op, tensor_factor):
     """PREMUL_SUM (FSDP2 sends one where a gradient divide factor is set): every rank multiplies
     its input by its own factor, here (rank + 1) / 2, exact in every float dtype, then all sum."""
     factor = (rank + 1) / 2
-    redop = dist._make_nccl_premul_sum(torch.tensor(factor, device=DEVICE)) if tensor_factor else \
-        dist.ReduceOp.PREMUL_SUM(factor)
+    by_number = dist.ReduceOp.PREMUL_SUM if callable(dist.ReduceOp.PREMUL_SUM) else dist._make_nccl_premul_sum
+    redop = dist._make_nccl_premul_sum(torch.tensor(factor, device=DEVICE)) if tensor_factor else by_number(factor)
+    if not ops.FACTOR_READABLE:  # a torch that hides the factor from Python: refused, clearly
+        return _premul_sum_refused(op, dtype, redop) if dist.get_backend() == "smddp" else None
     shape = (1823, 3)
     scaled = lambda r, q=0: seeded(shape, r * world + q, dtype) * ((r + 1) / 2)  # noqa: E731
     if op == "all_reduce":
@@ -192,6 +196,23 @@ def case_premul_sum(dtype, rank, world, op, tensor_factor):
         dist.reduce_scatter_tensor(out, torch.cat(blocks), op=redop)
     unchanged = _mismatch(torch.cat(blocks), torch.cat([seeded(shape, rank * world + q, dtype) for q in range(world)]))
     return unchanged and f"the input changed: {unchanged}" or _mismatch(out, sum(scaled(r, rank) for r in range(world)).to(dtype))
+
+
+def _premul_sum_refused(op, dtype, redop):
+    world = dist.get_world_size()
+    t, out = on_device(torch.ones(4 * world, dtype=dtype)), on_device(torch.empty(4, dtype=dtype))
+    try:
+        if op == "all_reduce":
+            dist.all_reduce(t, op=redop)
+        elif op == "reduce":
+            dist.reduce(t, dst=0, op=redop)
+        elif op == "reduce_scatter_list":
+            dist.reduce_scatter(out, list(t.chunk(world)), op=redop)
+        else:
+            dist.reduce_scatter_tensor(out, t, op=redop)
+    except ValueError as e:
+        return None if "does not let a backend written in Python read the factor" in str(e) else f"wrong error: {e}"
+    return "PREMUL_SUM ran with a factor this torch does not show to Python"
 
 
 def case_reduce_scatter(shape, dtype, redop, rank, world, form):

@@ -264,7 +264,9 @@ def test_compiled_step_on_cuda_matches_ddp_with_a_grad_scaler(transport, world, 
     env = {"SMDDP_CUDA_TRANSPORT": transport}
     results = harness.values(harness.launch("tests.cuda_programs:compiled_parity", world, env=env, wire_dtype=wire))
     for rank, r in enumerate(results):
-        assert r["transport"] == transport and r["bucket_device"] == "cuda:0" and r["buckets"] > 1, (rank, r)
+        # one rank has nothing to reduce: compile then makes no CUDA collective, and no transport
+        assert r["transport"] == (transport if world > 1 else "none"), (rank, r)
+        assert r["bucket_device"] == "cuda:0" and r["buckets"] > 1, (rank, r)
         assert r["scales"]["compiled"] == r["scales"]["eager"] and r["steps_taken"] == 9, (rank, r)  # 1 of 10 skipped
         if wire is None:
             # float32: one addition of two numbers at most (order-free), then the fused update's

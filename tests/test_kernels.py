@@ -6,6 +6,8 @@ in conftest.py); with one, on the GPU against the reference on the same device.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -46,6 +48,30 @@ def test_adam_kernel_matches_reference(dtype, n, decoupled, step):
     for got, want in zip((p, g, m, v), ref):
         torch.testing.assert_close(got, want, **TOL[dtype])
     assert torch.equal(g, want_grad) and torch.equal(ref[1], want_grad)
+
+
+@pytest.mark.parametrize("beta1, beta2", [(0.9, 0.999), (0.0, 0.99)])
+@pytest.mark.parametrize("step", [1.0, 7.0, 1000.0])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["triton", "reference"])
+def test_adam_update_is_the_float64_update_rounded_once(beta1, beta2, step, use_kernel):
+    """The update against the same arithmetic in float64 from the same float32 inputs. The bias
+    corrections are where float32 fails: 1 - float32(0.999) is 1.3e-5 off, and on the GPU
+    float32 exp/log (beta**step) left 1 - beta2 1e-4 off at step 1. Starting from zero weights,
+    the new weight is the update alone, so float32 rounding of the weight hides nothing."""
+    n = 4099
+    gen = torch.Generator().manual_seed(3)
+    g, m = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1
+    v = torch.rand(n, generator=gen) + 0.1  # well away from 0: the comparison is of the corrections
+    lr = 1e-2
+    g64, m64, v64 = g.double(), m.double() * beta1 + (1 - beta1) * g.double(), v.double() * beta2 + (1 - beta2) * g.double() ** 2
+    want = -lr / (1 - beta1 ** step) * m64 / (v64.sqrt() / math.sqrt(1 - beta2 ** step) + 1e-8)
+    p, g, m, v = (t.to(DEVICE) for t in (torch.zeros(n), g, m, v))
+    adam_step(p, g, m, v, beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=0.0, decoupled=True,
+              force_triton=use_kernel, **_scalars(step, lr=lr, scale=1.0))
+    # float32 rounding of m where its two terms cancel is 1e-10 here; the corrections' errors
+    # moved every weight by 6e-6 or more of itself
+    torch.testing.assert_close(p.cpu().double(), want, rtol=1e-6, atol=1e-7 * float(want.abs().max()))
+    torch.testing.assert_close(v.cpu().double(), v64, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("dtype", list(TOL))

@@ -14,6 +14,8 @@ where it was).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._launch import BLOCK, arithmetic_dtype, check_buffers, skipped_on_host, torch_fused_cpu, use_triton
@@ -28,9 +30,20 @@ except ImportError:  # the reference path needs no Triton
 if triton is not None:
 
     @triton.jit
+    def _bias_corrections(lr, step, log_beta1, log_beta2):
+        # lr / (1 - beta1**step) and sqrt(1 - beta2**step), once per program, in float64: 1 - beta2
+        # keeps 3 of float32's 7 digits (beta2 = 0.999), and on the GPU float32 exp and log are
+        # approximate, which left 1 - beta2**step 1e-4 off at step 1 on an H200. 1 - beta and
+        # log(beta) come from the host, in float64: 1 - float32(0.999) alone is 1.3e-5 off.
+        s = step.to(tl.float64)
+        bias1 = 1.0 - tl.exp(s * log_beta1)  # float64 tensor x float32 scalar: float64
+        bias2 = 1.0 - tl.exp(s * log_beta2)
+        return (lr.to(tl.float64) / bias1).to(tl.float32), tl.sqrt(bias2).to(tl.float32)
+
+    @triton.jit
     def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr,
                      lr_ptr, step_ptr, scale_ptr, found_inf_ptr,
-                     n, beta1, beta2, eps, weight_decay,
+                     n, beta1, beta2, one_minus_beta1, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay,
                      DECOUPLED: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets: buckets may pass 2**31 elements
         offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -52,16 +65,21 @@ if triton is not None:
             p = p * (1.0 - lr * weight_decay)
         else:  # Adam: L2 penalty folded into the gradient
             g = g + weight_decay * p
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        bias1 = 1.0 - tl.exp(step * tl.log(beta1))
-        bias2 = 1.0 - tl.exp(step * tl.log(beta2))
-        denom = tl.sqrt(v) / tl.sqrt(bias2) + eps
-        p = p - (lr / bias1) * m / denom
+        m = beta1 * m + one_minus_beta1 * g
+        v = beta2 * v + one_minus_beta2 * g * g
+        step_size, bias2_sqrt = _bias_corrections(lr, step, log_beta1, log_beta2)
+        denom = tl.sqrt(v) / bias2_sqrt + eps
+        p = p - step_size * m / denom
 
         tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=mask)
         tl.store(exp_avg_ptr + offs, m.to(exp_avg_ptr.dtype.element_ty), mask=mask)
         tl.store(exp_avg_sq_ptr + offs, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+
+
+def _log(beta: float) -> float:
+    """log(beta) for the kernel's beta**step = exp(step * log(beta)); beta = 0 (no momentum) gives
+    -inf, so that beta**step is 0, as torch computes it."""
+    return math.log(beta) if beta > 0 else -math.inf
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, beta1, beta2, eps,
@@ -99,7 +117,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
         return
     grid = (triton.cdiv(n, BLOCK),)
     _adam_kernel[grid](param, grad, exp_avg, exp_avg_sq, lr, step, scale, found_inf,
-                       n, float(beta1), float(beta2), float(eps), float(weight_decay),
+                       n, float(beta1), float(beta2), 1.0 - beta1, 1.0 - beta2, _log(beta1), _log(beta2),
+                       float(eps), float(weight_decay),
                        DECOUPLED=bool(decoupled), WRITE_GRAD=not unit_scale, BLOCK=BLOCK)
 
 
@@ -124,8 +143,10 @@ def adam_reference(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_i
         g = g + weight_decay * p
     m = exp_avg.to(compute).lerp(g, 1.0 - beta1) if beta1 != 1.0 else exp_avg.to(compute)
     v = exp_avg_sq.to(compute) * beta2 + (1.0 - beta2) * g * g
-    bias1 = 1.0 - beta1 ** step
-    bias2 = 1.0 - beta2 ** step
-    p = p - (lr / bias1) * m / (v.sqrt() / bias2.sqrt() + eps)
+    # the bias corrections in float64, as the kernel takes them (and torch's fused AdamW)
+    steps = step.to(torch.float64)
+    step_size = (lr.to(torch.float64) / (1.0 - beta1 ** steps)).to(compute)
+    bias2_sqrt = (1.0 - beta2 ** steps).sqrt().to(compute)
+    p = p - step_size * m / (v.sqrt() / bias2_sqrt + eps)
     for dst, src in (*writes, (param, p), (exp_avg, m), (exp_avg_sq, v)):
         dst.copy_(src if keep is None else torch.where(keep, src, dst.to(compute)))
