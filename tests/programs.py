@@ -1446,3 +1446,38 @@ def routes_under_auto() -> dict:
     return {"routes": [s for s in said if " runs " in s], "count": count.item(),
             "gathered": gathered.tolist(), "halves": halves.float().unique().tolist(),
             "broadcasts_arrived": [torch.equal(broadcasts[n], sent[n]) for n in sent]}
+
+
+def cuda_paths_compared(without_nccl: list[int] | None = None, setting: str = "auto") -> dict:
+    """How the ranks of a group agree on the way CUDA tensors move, without a GPU.
+
+    With ``without_nccl`` (rank numbers): ``agree_on_path`` itself, the listed ranks saying NCCL
+    did not load and the others that it did, through the job's real store. Without it: the
+    group's ``CudaPaths`` made on every rank under ``setting``, where cupy is missing on every
+    rank (CI), so every rank has the same answer."""
+    import warnings
+
+    from smddp_lite.backend.cuda import CudaPaths, agree_on_path
+    from smddp_lite.config import backend_config
+
+    smddp_lite.init(timeout=timedelta(seconds=20))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.PrefixStore("cuda-paths-test", dist.distributed_c10d._get_default_store())
+    if without_nccl is not None:
+        why = "cupy is not installed (test)" if rank in without_nccl else None
+        report = _error_of(lambda: agree_on_path(store, rank, world, timedelta(seconds=20), setting, why))
+        # the group's next CUDA call makes its CudaPaths again: it must be refused again, not pass
+        # on counts the first comparison left in the store
+        report["again"] = _error_of(lambda: agree_on_path(store, rank, world, timedelta(seconds=20), setting, why))
+    else:
+        made = {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = _error_of(lambda: made.update(paths=CudaPaths(store, rank, world, timedelta(seconds=20),
+                                                                   backend_config({"SMDDP_CUDA_TRANSPORT": setting}),
+                                                                   lambda reason: None)))
+        report["staged"] = "paths" in made and made["paths"].nccl is None
+        report["warnings"] = [str(w.message) for w in caught]
+    report["usable_after"] = _still_works()
+    dist.destroy_process_group()
+    return report

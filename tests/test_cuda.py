@@ -20,7 +20,7 @@ from smddp_lite.backend.cuda import CudaPaths
 from smddp_lite.backend.cuda.communicators import decode_unique_id, encode_unique_id, nccl_version_string
 from smddp_lite.backend.cuda.environment import find_net_plugin, network_report
 from smddp_lite.backend.cuda.watchdog import Watchdog
-from smddp_lite.backend.errors import PeerFailureError
+from smddp_lite.backend.errors import PeerFailureError, ranks_said
 from smddp_lite.config import backend_config
 
 from . import harness
@@ -49,6 +49,37 @@ def test_staged_by_choice_needs_nothing_and_warns_nothing(recwarn):
     paths = CudaPaths(None, 0, 1, timedelta(seconds=5), backend_config({"SMDDP_CUDA_TRANSPORT": "staged"}),
                       lambda reason: None)
     assert paths.nccl is None and paths.staged.kind == "staged" and not recwarn.list
+
+
+@pytest.mark.parametrize("world, without_nccl", [(2, [1]), (3, [0, 2])])
+def test_ranks_that_load_nccl_and_ranks_that_cannot_are_told_on_every_rank(world, without_nccl):
+    """Under SMDDP_CUDA_TRANSPORT=auto a host without cupy would stage through host memory while
+    the others waited in NCCL: every rank raises, naming both sets of ranks and the reason, and
+    again at the next CUDA call (at 2 ranks the store's counts alone would then agree)."""
+    results = harness.values(harness.launch("tests.programs:cuda_paths_compared", world, without_nccl=without_nccl))
+    loaded = [r for r in range(world) if r not in without_nccl]
+    for rank, r in enumerate(results):
+        assert r["type"] == "ValueError", (rank, r)
+        for words in (f"SMDDP_CUDA_TRANSPORT=auto: NCCL (through cupy) loaded on {ranks_said(loaded)} but not on "
+                      f"{ranks_said(without_nccl)} ({ranks_said(without_nccl[:1])}: cupy is not installed (test))",
+                      "SMDDP_CUDA_TRANSPORT=staged on every rank", f"rank {rank}/{world}"):
+            assert words in r["message"], (rank, r)
+        assert r["again"]["type"] == "ValueError" and r["again"]["message"] == r["message"], (rank, r)
+        assert r["usable_after"], (rank, r)
+
+
+@pytest.mark.skipif(HAS_CUPY, reason="cupy is installed here: every rank would load NCCL")
+@pytest.mark.parametrize("setting", ["auto", "nccl"])
+def test_ranks_that_all_lack_nccl_agree_and_each_says_why(setting):
+    """The comparison on the path every CI rank takes (no cupy anywhere): under auto every rank
+    stages with the warning; under nccl every rank raises the ImportError saying what to install."""
+    for rank, r in enumerate(harness.values(harness.launch("tests.programs:cuda_paths_compared", 2, setting=setting))):
+        if setting == "auto":
+            assert r["type"] is None and r["staged"], (rank, r)
+            assert any("host memory" in w and "cupy is not installed" in w for w in r["warnings"]), (rank, r)
+        else:
+            assert r["type"] == "ImportError" and "SMDDP_CUDA_TRANSPORT=nccl, but cupy is not installed" in r["message"]
+        assert r["usable_after"], (rank, r)
 
 
 def test_cuda_configuration_is_checked():
