@@ -800,8 +800,9 @@ def compiled_apart(kind: str, steps: int = 2) -> dict:
         options.update({"bucket": {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.001}, "wire": {"wire_dtype": "bfloat16"},
                         "clip": {"max_grad_norm": 0.01}, "buffers": {"broadcast_buffers": False}}.get(kind, {}))
     made = {}
+    lr = 2e-3 if odd and kind == "lr" else 1e-3
     compiled = _error_of(lambda: made.update(zip(("model", "optimizer"), smddp_lite.compile(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-3), **options))))
+        model, torch.optim.AdamW(model.parameters(), lr=lr), **options))))
     if compiled["type"] is not None:
         return {"compile": compiled}
     def train() -> None:

@@ -47,7 +47,8 @@ def test_every_rank_ends_with_rank_0s_batchnorm_statistics_as_under_ddp():
 # what the last rank changes, and what every rank must be told. Before compile compared them,
 # on gloo: a wider layer or a frozen bias aborted a rank in gloo at the first backward, and a
 # rank alone clipping gradients or rounding them to bfloat16 trained on silently, its parameters
-# apart from the other rank's after 5 steps (clipping: on shm too)
+# apart from the other rank's after 5 steps (clipping: on shm too); so would one alone with
+# another learning rate
 COMPILED_APART = {
     "model": "trainable parameters: 4 tensors of 2501 elements on rank 0, 4 tensors of 2540 elements on rank 1",
     "frozen": "frozen parameters and buffers (broadcast from rank 0): 0 tensors of 0 elements on rank 0, 1 tensor "
@@ -56,6 +57,9 @@ COMPILED_APART = {
     "wire": "wire_dtype (SMDDP_WIRE_DTYPE): unset on rank 0, bfloat16 on rank 1",
     "clip": "max_grad_norm (SMDDP_MAX_GRAD_NORM): None on rank 0, 0.01 on rank 1",
     "buffers": "broadcast_buffers (SMDDP_BROADCAST_BUFFERS): True on rank 0, False on rank 1",
+    "lr": "optimizer settings: group 0: lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01 on rank 0, "
+          "group 0: lr=0.002, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01 on rank 1. Give the optimizer the "
+          "same settings on every rank",
 }
 
 

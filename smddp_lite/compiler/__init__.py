@@ -72,7 +72,7 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
     if world > 1:  # before anything changes: a rank that differs would otherwise hang, abort or drift
         check_ranks_agree(group, dist.get_rank(), world, next(iter(devices), torch.device("cpu")),
                           what_must_agree(model, [p for _, p in ordered], buckets, family,
-                                          len(optimizer.param_groups), config))
+                                          optimizer.param_groups, config))
     previous = _REDUCERS.pop(model, None)
     if previous is not None:
         previous.detach()

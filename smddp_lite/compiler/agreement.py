@@ -32,10 +32,23 @@ def _tensors(tensors: list[torch.Tensor]) -> tuple[str, str]:
 
 
 BUCKETS = "buckets (bucket_cap_mb, first_bucket_mb; SMDDP_BUCKET_CAP_MB, SMDDP_FIRST_BUCKET_MB)"
+# what each family's update reads from a param group
+UPDATE_KEYS = {"adam": ("lr", "betas", "eps", "weight_decay"), "adamw": ("lr", "betas", "eps", "weight_decay"),
+               "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
+
+
+def _hyperparameters(param_groups: list[dict], family: str) -> str:
+    """Each param group's update settings in words (a tensor learning rate as its number)."""
+    def said(value) -> str:
+        if isinstance(value, torch.Tensor):
+            value = value.item() if value.numel() == 1 else value.tolist()
+        return repr(tuple(said(v) for v in value)).replace("'", "") if isinstance(value, (tuple, list)) else repr(value)
+    return "; ".join(f"group {i}: " + ", ".join(f"{k}={said(g[k])}" for k in UPDATE_KEYS[family] if k in g)
+                     for i, g in enumerate(param_groups))
 
 
 def what_must_agree(model: torch.nn.Module, trainable: list[torch.Tensor], buckets, family: str,
-                    param_groups: int, config) -> list[tuple[str, str, str]]:
+                    param_groups: list[dict], config) -> list[tuple[str, str, str]]:
     """(what, this rank's value in words, how to fix a difference), in the order differences
     are reported."""
     trained, trained_shapes = _tensors(trainable)
@@ -47,7 +60,12 @@ def what_must_agree(model: torch.nn.Module, trainable: list[torch.Tensor], bucke
         ("trainable parameters", trained_shapes, SAME_MODEL),
         ("frozen parameters and buffers (broadcast from rank 0)", broadcast, SAME_MODEL),
         ("frozen parameters and buffers (broadcast from rank 0)", broadcast_shapes, SAME_MODEL),
-        ("optimizer", f"{family} with {param_groups} param group{'s' if param_groups != 1 else ''}", "build the same optimizer on every rank"),
+        ("optimizer", f"{family} with {len(param_groups)} param group{'s' if len(param_groups) != 1 else ''}",
+         "build the same optimizer on every rank"),
+        # a rank alone with another learning rate trains its replica apart from the others
+        ("optimizer settings", _hyperparameters(param_groups, family),
+         "give the optimizer the same settings on every rank (a learning rate scaled by rank, or a scheduler "
+         "stepped on some ranks only, trains the replicas apart)"),
         ("wire_dtype (SMDDP_WIRE_DTYPE)", str(config.wire_dtype or "unset"), SAME_OPTIONS),
         ("max_grad_norm (SMDDP_MAX_GRAD_NORM)", str(config.max_grad_norm), SAME_OPTIONS),
         # without buffers it changes nothing
