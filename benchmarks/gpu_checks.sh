@@ -4,14 +4,15 @@
 #              and the overhead benchmark in nccl-tests format (issue 3's criterion)
 #   tests:     the GPU tests (python -m pytest -m gpu), and the Triton kernels against their
 #              references on the GPU (tests/test_kernels.py)
-#   optimizer: the optimizer-step benchmark (issue 4's criterion), one parameter count at a time
+#   optimizer: the optimizer-step benchmark (issue 4's criterion), one parameter count at a time,
+#              then the Adam kernel's launch shapes and the norm pass (adam_kernel_sweep.py)
 # Each step has its own time limit, so one that hangs or runs long costs only its own share, and
 # everything it printed is kept. Usage, from the repository root on the GPU machine:
 #
 #   bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer]
 #
 # The parts run in the order named; with none named, all three, in that order. Their time limits
-# add up to 3, 4 (6.5 with reruns of failed tests) and 5 minutes; where one command may run for
+# add up to 3, 4 (6.5 with reruns of failed tests) and 6.5 minutes; where one command may run for
 # 10 minutes, run `tests overhead` and then `optimizer`. On an H200 (2026-11-26) the tests took
 # 210 s, all_reduce's overhead rows under 30 s, and the optimizer benchmarks 64 s at 125M, 83 s
 # at 350M and 28 s at 1B without torch.compile. The tests run side by side where pytest-xdist
@@ -99,6 +100,9 @@ run_optimizer() {
         --json "$out/optimizer-step-350M.json"
     step optimizer-step-1B 90 $py benchmarks/optimizer_step.py --device cuda --params 1B --no-torch-compile \
         --json "$out/optimizer-step-1B.json"
+    # where the step's time goes: the update kernel's launch shapes and the norm pass
+    step adam-kernel-sweep 90 $py benchmarks/adam_kernel_sweep.py --device cuda --params 350M \
+        --json "$out/adam-kernel-sweep.json"
 }
 for part in $parts; do "run_$part"; done
 echo "== $failed step(s) failed; the logs are in $out"

@@ -190,3 +190,17 @@ def test_launcher_rejects_mismatched_buffers():
     with pytest.raises(ValueError, match="lr must be a 1-element float32 tensor"):
         sgd_step(p, g, None, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
                  **{**_scalars(1.0), "lr": torch.tensor([0.1, 0.2])})
+
+
+@pytest.mark.parametrize("block, num_warps", [(1024, 4), (8192, 8)])
+def test_the_adam_kernel_launch_shape_changes_nothing_but_speed(block, num_warps):
+    """adam_kernel_sweep.py times other launch shapes: each element's arithmetic is the same in
+    every one, so the results must be equal to the default's bit for bit (a last, partial block
+    included: 1823 x 781 is not a multiple of any block)."""
+    hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, **_scalars(3.0))
+    default = _streams(1823 * 781, torch.float32, 4, seed=5)
+    shaped = [t.clone() for t in default]
+    adam_step(*default, force_triton=True, **hyper)
+    adam_step(*shaped, force_triton=True, block=block, num_warps=num_warps, **hyper)
+    for got, want in zip(shaped, default):
+        assert torch.equal(got, want)

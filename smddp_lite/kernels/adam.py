@@ -83,7 +83,8 @@ def _log(beta: float) -> float:
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, beta1, beta2, eps,
-              weight_decay, decoupled, unit_scale: bool = False, force_triton: bool | None = None) -> None:
+              weight_decay, decoupled, unit_scale: bool = False, force_triton: bool | None = None,
+              block: int = BLOCK, num_warps: int = 4) -> None:
     """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (flat, same length) in place, and leave
     ``grad`` multiplied by ``scale``.
 
@@ -96,6 +97,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
         force_triton: None picks Triton on CUDA, torch's fused CPU kernel on the CPU (else the
             reference); True forces the Triton kernel (tests run it on CPU tensors with
             TRITON_INTERPRET=1), False the reference.
+        block, num_warps: the Triton kernel's launch shape: elements per program (a power of 2)
+            and warps per program (benchmarks/adam_kernel_sweep.py times others on a GPU).
     """
     n = check_buffers("adam_step", dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq),
                       dict(lr=lr, step=step, scale=scale, found_inf=found_inf))
@@ -115,11 +118,11 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
         raise ImportError("adam_step: Triton is not installed; pip install triton")
     if n == 0:
         return
-    grid = (triton.cdiv(n, BLOCK),)
+    grid = (triton.cdiv(n, block),)
     _adam_kernel[grid](param, grad, exp_avg, exp_avg_sq, lr, step, scale, found_inf,
                        n, float(beta1), float(beta2), 1.0 - beta1, 1.0 - beta2, _log(beta1), _log(beta2),
                        float(eps), float(weight_decay),
-                       DECOUPLED=bool(decoupled), WRITE_GRAD=not unit_scale, BLOCK=BLOCK)
+                       DECOUPLED=bool(decoupled), WRITE_GRAD=not unit_scale, BLOCK=block, num_warps=num_warps)
 
 
 def adam_reference(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, beta1, beta2, eps,
