@@ -126,7 +126,9 @@ def compiled_parity(steps: int = 10, wire_dtype: str | None = None, poison: tupl
                 grads[name] = [p.grad.detach().clone() for p in model.parameters()]
             opt.zero_grad()
     params = zip(eager_module.parameters(), compiled_module.parameters())
+    moved = zip(base.parameters(), compiled_module.parameters())  # base keeps the starting weights
     result = {"max_diff": max(float((a - b).abs().max()) for a, b in params),
+              "moved": max(float((a - b).abs().max()) for a, b in moved),
               "max_abs": max(float(p.abs().max()) for p in eager_module.parameters()),
               "grad_diff": max(float((a - b).abs().max()) for a, b in zip(grads["eager"], grads["compiled"])),
               "grad_abs": max(float(g.abs().max()) for g in grads["eager"]),

@@ -1468,7 +1468,7 @@ def cuda_paths_compared(without_nccl: list[int] | None = None, setting: str = "a
         why = "cupy is not installed (test)" if rank in without_nccl else None
         report = _error_of(lambda: agree_on_path(store, rank, world, timedelta(seconds=20), setting, why))
         # the group's next CUDA call makes its CudaPaths again: it must be refused again, not pass
-        # on counts the first comparison left in the store
+        # on the counts the first comparison left in the store (at 2 ranks 1 + 1 NCCL = 2)
         report["again"] = _error_of(lambda: agree_on_path(store, rank, world, timedelta(seconds=20), setting, why))
     else:
         made = {}

@@ -68,6 +68,13 @@ def test_ranks_that_load_nccl_and_ranks_that_cannot_are_told_on_every_rank(world
         assert r["usable_after"], (rank, r)
 
 
+def test_ranks_that_agreed_agree_again_when_the_paths_are_made_again():
+    """NCCL's set-up failing after the ranks agreed leaves the paths unmade, and the next CUDA
+    call compares again: on fresh keys, not on counts that now add up to twice the world."""
+    for rank, r in enumerate(harness.values(harness.launch("tests.programs:cuda_paths_compared", 2, without_nccl=[]))):
+        assert r["type"] is None and r["again"]["type"] is None, (rank, r)
+
+
 @pytest.mark.skipif(HAS_CUPY, reason="cupy is installed here: every rank would load NCCL")
 @pytest.mark.parametrize("setting", ["auto", "nccl"])
 def test_ranks_that_all_lack_nccl_agree_and_each_says_why(setting):
@@ -287,24 +294,27 @@ def test_ddp_on_cuda_matches_torch(transport, world):
 
 @on_gpu
 @pytest.mark.parametrize("wire", [None, "bfloat16"])
-@pytest.mark.parametrize("transport, world", [pytest.param("nccl", 1, marks=needs_cupy), ("staged", 2)])
-def test_compiled_step_on_cuda_matches_ddp_with_a_grad_scaler(transport, world, wire):
+@pytest.mark.parametrize("world", [1, 2])
+def test_compiled_step_on_cuda_matches_ddp_with_a_grad_scaler(world, wire):
     """The compiled step on the GPU: its agreement check and buckets on CUDA, the fused update as
     a compiled Triton kernel (not the interpreter CI runs), the unscaled, clipped .grad it writes
-    back, and a skipped inf step, against DDP on torch's backend + AdamW + GradScaler."""
-    env = {"SMDDP_CUDA_TRANSPORT": transport}
+    back, and a skipped inf step, against DDP on torch's backend + AdamW + GradScaler. Two ranks
+    share the GPU through the staged path; one rank reduces nothing, so makes no CUDA transport."""
+    env = {"SMDDP_CUDA_TRANSPORT": "staged"}
     results = harness.values(harness.launch("tests.cuda_programs:compiled_parity", world, env=env, wire_dtype=wire))
     for rank, r in enumerate(results):
-        # one rank has nothing to reduce: compile then makes no CUDA collective, and no transport
-        assert r["transport"] == (transport if world > 1 else "none"), (rank, r)
+        assert r["transport"] == ("staged" if world > 1 else "none"), (rank, r)
         assert r["bucket_device"] == "cuda:0" and r["buckets"] > 1, (rank, r)
         assert r["scales"]["compiled"] == r["scales"]["eager"] and r["steps_taken"] == 9, (rank, r)  # 1 of 10 skipped
-        if wire is None:
+        if wire is None or world == 1:  # (one rank puts nothing on a wire)
             # float32: one addition of two numbers at most (order-free), then the fused update's
             # few ulps per step against torch's AdamW
             assert r["max_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 * max(1.0, r["grad_abs"]), (rank, r)
-        else:  # 8 bits of mantissa on the wire: ~2**-8 relative per gradient, ~lr per step
-            assert r["max_diff"] < 10 * 3e-3, (rank, r)
+        else:
+            # 8 bits of mantissa on the wire: ~2**-8 relative per gradient. The parameters moved
+            # ~lr per step; on CPU (the same program) they ended 0.003 apart after moving 0.027,
+            # and a step that updated nothing would end a whole move apart
+            assert r["max_diff"] < 0.3 * r["moved"] and r["grad_diff"] < 0.05 * r["grad_abs"], (rank, r)
     losses = results[0]["losses"]["compiled"]
     assert losses[-1] < losses[0], losses
 

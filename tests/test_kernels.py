@@ -63,7 +63,7 @@ def test_adam_update_is_the_float64_update_rounded_once(beta1, beta2, step, use_
     g, m = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1
     v = torch.rand(n, generator=gen) + 0.1  # well away from 0: the comparison is of the corrections
     lr = 1e-2
-    g64, m64, v64 = g.double(), m.double() * beta1 + (1 - beta1) * g.double(), v.double() * beta2 + (1 - beta2) * g.double() ** 2
+    m64, v64 = m.double() * beta1 + (1 - beta1) * g.double(), v.double() * beta2 + (1 - beta2) * g.double() ** 2
     want = -lr / (1 - beta1 ** step) * m64 / (v64.sqrt() / math.sqrt(1 - beta2 ** step) + 1e-8)
     p, g, m, v = (t.to(DEVICE) for t in (torch.zeros(n), g, m, v))
     adam_step(p, g, m, v, beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=0.0, decoupled=True,
@@ -204,3 +204,18 @@ def test_the_adam_kernel_launch_shape_changes_nothing_but_speed(block, num_warps
     adam_step(*shaped, force_triton=True, block=block, num_warps=num_warps, **hyper)
     for got, want in zip(shaped, default):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["triton", "reference"])
+def test_tensor_betas_update_as_number_betas(use_kernel):
+    """torch.optim.AdamW takes betas as tensors too, and the compiled step passes a param group's
+    betas on as they are."""
+    hyper = dict(eps=1e-8, weight_decay=0.1, decoupled=True, force_triton=use_kernel, **_scalars(3.0))
+    numbers = _streams(4099, torch.float32, 4, seed=9)
+    tensors = [t.clone() for t in numbers]
+    adam_step(*numbers, beta1=0.9, beta2=0.999, **hyper)
+    # float64 tensors hold the same numbers as the floats (a float32 0.9 is another beta)
+    adam_step(*tensors, beta1=torch.tensor(0.9, dtype=torch.float64), beta2=torch.tensor(0.999, dtype=torch.float64),
+              **hyper)
+    for got, want in zip(tensors, numbers):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

@@ -3,8 +3,9 @@
 ``CudaPaths`` is made on a group's first CUDA call. ``SMDDP_CUDA_TRANSPORT`` decides: "auto"
 (NCCL if cupy and libnccl load, else staged with a one-time warning saying what to install),
 "nccl" (an error if it cannot load) or "staged". Calls NCCL cannot make are staged either way.
-Under "auto" the ranks of a group compare what they chose, once, through the store: a host
-without cupy would otherwise stage while the others waited in NCCL.
+Under "auto" and "nccl" the ranks of a group compare, once, through the store, whether NCCL
+loaded: under "auto" a host without cupy would otherwise stage while the others waited in NCCL.
+(Init has already compared the setting itself across ranks.)
 """
 
 from __future__ import annotations
@@ -57,29 +58,29 @@ def agree_on_path(store, rank: int, world_size: int, timeout: timedelta, setting
                   unavailable: str | None) -> None:
     """Every rank of the group says whether NCCL loaded (``unavailable`` is None) or not
     (``unavailable`` says why); where they differ, every rank raises the same ``ValueError``
-    instead of some staging through host memory while the others wait in NCCL. Four store
-    calls per rank where they agree, once per group."""
+    instead of some staging through host memory while the others wait in NCCL. Six store calls
+    per rank where they agree, once per group (again if making the paths failed)."""
     if store is None or world_size == 1:
         return
-    prefix = where(rank, world_size, "CUDA tensors")
-    if store.check(["cuda_path/differ"]):  # a later CUDA call after the refusal: the counts are spent
-        raise ValueError(f"{prefix} {store.get('cuda_path/differ').decode()}")
-    store.set(f"cuda_path/{rank}", "" if unavailable is None else unavailable)
-    store.add("cuda_path/nccl", int(unavailable is None))
-    if store.add("cuda_path/arrived", 1) == world_size:
-        store.set("cuda_path/all", "1")
-    store.wait(["cuda_path/all"], timeout)
-    if store.add("cuda_path/nccl", 0) in (0, world_size):
+    # the paths are made again at the next CUDA call after one that failed (this refusal, or
+    # NCCL's set-up): every rank is then at the same attempt, which compares on keys of its own
+    attempt = store.add(f"cuda_path/attempts/{rank}", 1)
+    key = f"cuda_path/{attempt}"
+    store.set(f"{key}/{rank}", "" if unavailable is None else unavailable)
+    store.add(f"{key}/nccl", int(unavailable is None))
+    if store.add(f"{key}/arrived", 1) == world_size:
+        store.set(f"{key}/all", "1")
+    store.wait([f"{key}/all"], timeout)
+    if store.add(f"{key}/nccl", 0) in (0, world_size):
         return
-    said = {r: store.get(f"cuda_path/{r}").decode() for r in range(world_size)}
+    said = {r: store.get(f"{key}/{r}").decode() for r in range(world_size)}
     loaded = [r for r, why in said.items() if not why]
     missing = [r for r, why in said.items() if why]
-    message = (f"SMDDP_CUDA_TRANSPORT={setting}: NCCL (through cupy) loaded on {ranks_said(loaded)} but not on "
-               f"{ranks_said(missing)} ({ranks_said(missing[:1])}: {said[missing[0]]}), and every rank of a group must "
-               "move CUDA tensors the same way. Install cupy and NCCL on every host, or set "
-               "SMDDP_CUDA_TRANSPORT=staged on every rank")
-    store.set("cuda_path/differ", message)
-    raise ValueError(f"{prefix} {message}")
+    raise ValueError(
+        f"{where(rank, world_size, 'CUDA tensors')} SMDDP_CUDA_TRANSPORT={setting}: NCCL (through cupy) loaded on "
+        f"{ranks_said(loaded)} but not on {ranks_said(missing)} ({ranks_said(missing[:1])}: {said[missing[0]]}), and "
+        "every rank of a group must move CUDA tensors the same way. Install cupy and NCCL on every host, or set "
+        "SMDDP_CUDA_TRANSPORT=staged on every rank")
 
 
 def _warn_staged(rank: int, reason: str) -> None:

@@ -65,7 +65,7 @@ def what_must_agree(model: torch.nn.Module, trainable: list[torch.Tensor], bucke
         # a rank alone with another learning rate trains its replica apart from the others
         ("optimizer settings", _hyperparameters(param_groups, family),
          "give the optimizer the same settings on every rank (a learning rate scaled by rank, or a scheduler "
-         "stepped on some ranks only, trains the replicas apart)"),
+         "stepped before compile on some ranks only, trains the replicas apart)"),
         ("wire_dtype (SMDDP_WIRE_DTYPE)", str(config.wire_dtype or "unset"), SAME_OPTIONS),
         ("max_grad_norm (SMDDP_MAX_GRAD_NORM)", str(config.max_grad_norm), SAME_OPTIONS),
         # without buffers it changes nothing

@@ -34,7 +34,8 @@ if triton is not None:
         # lr / (1 - beta1**step) and sqrt(1 - beta2**step), once per program, in float64: 1 - beta2
         # keeps 3 of float32's 7 digits (beta2 = 0.999), and on the GPU float32 exp and log are
         # approximate, which left 1 - beta2**step 1e-4 off at step 1 on an H200. 1 - beta and
-        # log(beta) come from the host, in float64: 1 - float32(0.999) alone is 1.3e-5 off.
+        # log(beta) are taken on the host in float64 and reach the kernel rounded once to float32
+        # (Triton passes numbers so): 1 - float32(0.999) instead is 1.3e-5 off.
         s = step.to(tl.float64)
         bias1 = 1.0 - tl.exp(s * log_beta1)  # float64 tensor x float32 scalar: float64
         bias2 = 1.0 - tl.exp(s * log_beta2)
@@ -118,6 +119,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
         raise ImportError("adam_step: Triton is not installed; pip install triton")
     if n == 0:
         return
+    beta1, beta2 = float(beta1), float(beta2)  # torch.optim takes tensor betas too; Triton wants numbers
     grid = (triton.cdiv(n, block),)
     _adam_kernel[grid](param, grad, exp_avg, exp_avg_sq, lr, step, scale, found_inf,
                        n, float(beta1), float(beta2), 1.0 - beta1, 1.0 - beta2, _log(beta1), _log(beta2),
