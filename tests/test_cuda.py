@@ -318,6 +318,7 @@ def test_compiled_step_on_cuda_matches_ddp_with_a_grad_scaler(world, wire):
     losses = results[0]["losses"]["compiled"]
     assert losses[-1] < losses[0], losses
 
+
 @on_gpu
 @needs_cupy
 def test_dtypes_without_an_nccl_type_are_moved_as_bytes_over_nccl():

@@ -122,7 +122,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
     beta1, beta2 = float(beta1), float(beta2)  # torch.optim takes tensor betas too; Triton wants numbers
     grid = (triton.cdiv(n, block),)
     _adam_kernel[grid](param, grad, exp_avg, exp_avg_sq, lr, step, scale, found_inf,
-                       n, float(beta1), float(beta2), 1.0 - beta1, 1.0 - beta2, _log(beta1), _log(beta2),
+                       n, beta1, beta2, 1.0 - beta1, 1.0 - beta2, _log(beta1), _log(beta2),
                        float(eps), float(weight_decay),
                        DECOUPLED=bool(decoupled), WRITE_GRAD=not unit_scale, BLOCK=block, num_warps=num_warps)
 
