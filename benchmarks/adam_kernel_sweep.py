@@ -7,8 +7,9 @@ written back), and the per-bucket norms (one vector_norm and one square per buck
 This times, on one flat buffer of ``--params`` float32 parameters:
   update   adam_step for every BLOCK x num_warps asked for (BLOCK=2048, 4 warps is the default),
            with and without the gradient write-back
-  norms    the squared 2-norm of ``--buckets`` equal buckets: one vector_norm per bucket (as the
-           reducer takes them), and torch._foreach_norm over all of them in one launch
+  norms    the 2-norm of ``--buckets`` equal buckets: a vector_norm and a square per bucket (as
+           the reducer took them on the H200), a vector_norm per bucket (as it takes them since),
+           and torch._foreach_norm over all of them in one launch
 Each variant runs once per round, alternating, so noise hits all alike; the table gives the
 median [p20, p80] and GB/s by the bytes each moves, as a percentage of a plain copy's.
 
@@ -63,8 +64,10 @@ def main() -> None:
                 variants[name] = (32 if write else 28, lambda b=block, w=warps, u=not write: adam_step(
                     param, grad, exp_avg, exp_avg_sq, unit_scale=u, block=b, num_warps=w, force_triton=True, **hyper))
     buckets = list(grad.chunk(args.buckets))
-    variants[f"norms vector_norm x {len(buckets)}"] = (4, lambda: [torch.linalg.vector_norm(b).square() for b in buckets])
-    variants[f"norms _foreach_norm of {len(buckets)}"] = (4, lambda: [t.square() for t in torch._foreach_norm(buckets)])
+    variants[f"norms vector_norm+square x {len(buckets)}"] = (
+        4, lambda: [torch.linalg.vector_norm(b).square() for b in buckets])
+    variants[f"norms vector_norm x {len(buckets)}"] = (4, lambda: [torch.linalg.vector_norm(b) for b in buckets])
+    variants[f"norms _foreach_norm of {len(buckets)}"] = (4, lambda: torch._foreach_norm(buckets))
     bandwidth = copy_bandwidth(dev, min(n, 64 * 2**20))
     for _, fn in variants.values():
         fn()  # compiles each launch shape once

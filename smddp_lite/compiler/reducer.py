@@ -30,8 +30,9 @@ class GradReducer:
         self.wire = [torch.empty(b.numel, dtype=wire_dtype, device=b.device)
                      if wire_dtype is not None and wire_dtype != b.dtype and world_size > 1 else None
                      for b in buckets]
-        # squared norms in the update's arithmetic dtype (float64 for float64 parameters)
-        self.sumsq = [torch.zeros((), dtype=arithmetic_dtype(b.dtype), device=b.device) for b in buckets]
+        # each bucket's 2-norm in the update's arithmetic dtype (float64 for float64 parameters);
+        # kept unsquared, as one op per bucket: the global norm is the norm of these
+        self.norms = [torch.zeros((), dtype=arithmetic_dtype(b.dtype), device=b.device) for b in buckets]
         # each bucket's gradient version counter when its norm was taken: an in-place edit of a
         # gradient after backward (p.grad.div_(n)) moves it, and step() measures that bucket again
         self._measured_at = [-1] * len(buckets)
@@ -143,8 +144,8 @@ class GradReducer:
                     "same parameters.", missing)
 
     def bucket_norm(self, b: Bucket) -> None:
-        """Record the bucket's squared 2-norm (one read of its reduced gradients)."""
-        self.sumsq[b.index] = torch.linalg.vector_norm(b.grad_flat, dtype=arithmetic_dtype(b.dtype)).square()
+        """Record the bucket's 2-norm (one read of its reduced gradients, one launch)."""
+        self.norms[b.index] = torch.linalg.vector_norm(b.grad_flat, dtype=arithmetic_dtype(b.dtype))
         self._measured_at[b.index] = b.grad_flat._version
 
     def remeasure_changed_norms(self, every_bucket: bool = False) -> None:
@@ -165,5 +166,5 @@ class GradReducer:
 
     def grad_norm(self) -> torch.Tensor:
         """Global 2-norm of the (averaged, still loss-scaled) gradients, as a device tensor."""
-        dtype = max((s.dtype for s in self.sumsq), key=lambda d: d.itemsize, default=torch.float32)
-        return torch.stack([s.to(self.sumsq[0].device, dtype) for s in self.sumsq]).sum().sqrt()
+        dtype = max((n.dtype for n in self.norms), key=lambda d: d.itemsize, default=torch.float32)
+        return torch.linalg.vector_norm(torch.stack([n.to(self.norms[0].device, dtype) for n in self.norms]))
