@@ -4,7 +4,7 @@ A post-accumulate-grad hook per parameter counts down its bucket; buckets are la
 in index order (so every rank issues the same collectives in the same order whatever order
 autograd happens to finish them in), asynchronously, overlapping the rest of backward. A
 callback queued at the end of backward waits for all of them, so ``.grad`` holds the averaged
-gradient when ``backward()`` returns, as with DDP, and computes each bucket's sum of squares
+gradient when ``backward()`` returns, as with DDP, and computes each bucket's 2-norm
 for gradient clipping while the bucket is still hot.
 """
 
