@@ -37,13 +37,16 @@ UPDATE_KEYS = {"adam": ("lr", "betas", "eps", "weight_decay"), "adamw": ("lr", "
                "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
 
 
+def _number(value):
+    """A setting as plain numbers: a tensor learning rate or beta as its value."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    return tuple(map(_number, value)) if isinstance(value, (tuple, list)) else value
+
+
 def _hyperparameters(param_groups: list[dict], family: str) -> str:
-    """Each param group's update settings in words (a tensor learning rate as its number)."""
-    def said(value) -> str:
-        if isinstance(value, torch.Tensor):
-            value = value.item() if value.numel() == 1 else value.tolist()
-        return repr(tuple(said(v) for v in value)).replace("'", "") if isinstance(value, (tuple, list)) else repr(value)
-    return "; ".join(f"group {i}: " + ", ".join(f"{k}={said(g[k])}" for k in UPDATE_KEYS[family] if k in g)
+    """Each param group's update settings in words."""
+    return "; ".join(f"group {i}: " + ", ".join(f"{k}={_number(g[k])!r}" for k in UPDATE_KEYS[family] if k in g)
                      for i, g in enumerate(param_groups))
 
 
