@@ -57,7 +57,8 @@ def _choose(store, rank: int, world_size: int, config) -> tuple[str, str, list[s
     layered = len(topo.local) > 1 and topo.uniform
     if config.algorithm == "hierarchical" or (config.algorithm == "auto" and forced == "auto"):
         if layered:
-            name, reason = "hierarchical", f"{topo.describe()}: shared memory inside hosts, gloo between"
+            inside = "shared memory" if _shm_possible() else "gloo"  # as the intra factory below chooses
+            name, reason = "hierarchical", f"{topo.describe()}: {inside} inside hosts, gloo between"
             store.set("transport", f"{name}|{reason}")
             return name, reason, hosts
         if config.algorithm == "hierarchical":
