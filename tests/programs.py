@@ -987,36 +987,68 @@ def reduce_scatter_rounding(dtype: str, numel_per_rank: int = 1024) -> list[floa
     return sorted(set(out.float().tolist()))
 
 
+def _host_shares_rounded(blocks: list[torch.Tensor], ranks_per_host: int, kind: torch.dtype) -> dict:
+    """Two references for a 16-bit AVG that crosses hosts in ``kind``, from every rank's
+    ``blocks`` (in rank order, hosts of ``ranks_per_host`` consecutive ranks): each host's float32
+    sum ("host sums rounded") or mean ("host means rounded") rounded to ``kind`` once, those
+    summed in float32 in host order, divided by the ranks (or the hosts) and rounded once."""
+    world = len(blocks)
+    hosts = range(0, world, ranks_per_host)
+    sums = [torch.stack(blocks[k : k + ranks_per_host]).float().sum(0) for k in hosts]
+    references = {}
+    for name, shares, divisor in (("host_sums_rounded", sums, world),
+                                  ("host_means_rounded", [s / ranks_per_host for s in sums], len(sums))):
+        total = shares[0].to(kind).float()
+        for share in shares[1:]:
+            total += share.to(kind)
+        references[name] = (total / divisor).to(kind)
+    return references
+
+
 def all_reduce_16_bit_avg(ranks_per_host: int, dtype: str = "bfloat16", numel: int = 1 << 16) -> dict:
     """A 16-bit AVG all_reduce of random values (seeded by rank) on hosts of ``ranks_per_host``
-    ranks each, against two references this rank computes from every rank's input: the mean in
-    float32 rounded once ("widened", what the algorithms layer's float32 copy gives), and each
-    host's float32 sum rounded to ``dtype`` once, those summed in float32 in host order, divided
-    and rounded once ("host sums rounded", a SUM's rounding plus a division before the last
-    rounding). Returns whether the result equals each, and in how many elements they differ."""
+    ranks each, against references this rank computes from every rank's input: the mean in
+    float32 rounded once ("widened", what the algorithms layer's float32 copy gives), and the two
+    of _host_shares_rounded (a SUM's rounding plus a division before the last rounding; or each
+    host's mean rounded, as float16 crosses hosts). Returns whether the result equals each, in how
+    many elements each differs from "widened", and in how many the two host references differ."""
     smddp_lite.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     kind = getattr(torch, dtype)
     inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)).to(kind) for r in range(world)]
     out = inputs[rank].clone()
     dist.all_reduce(out, op=dist.ReduceOp.AVG)
-    widened = (torch.stack(inputs).float().sum(0) / world).to(kind)
-    host_sums = [torch.stack(inputs[k : k + ranks_per_host]).float().sum(0).to(kind)
-                 for k in range(0, world, ranks_per_host)]
-    total = host_sums[0].float()
-    for host_sum in host_sums[1:]:
-        total += host_sum
-    host_sums_rounded = (total / world).to(kind)
+    references = {"widened": (torch.stack(inputs).float().sum(0) / world).to(kind),
+                  **_host_shares_rounded(inputs, ranks_per_host, kind)}
     dist.destroy_process_group()
-    return {"widened": bool(torch.equal(out, widened)), "host_sums_rounded": bool(torch.equal(out, host_sums_rounded)),
-            "references_differ_in": int((widened != host_sums_rounded).sum())}
+    return {**{name: bool(torch.equal(out, ref)) for name, ref in references.items()},
+            "differ_from_widened_in": {name: int((ref != references["widened"]).sum())
+                                       for name, ref in references.items()},
+            "means_differ_from_sums_in": int((references["host_means_rounded"] != references["host_sums_rounded"]).sum())}
 
 
-def reduce_scatter_16_bit_sums(dtype: str, op: str, numel_per_rank: int = 4096) -> dict:
+def float16_avg_of_large_values(numel: int = 1 << 18) -> dict:
+    """float16 AVG all_reduce and reduce_scatter_tensor of 40000 + 64 x rank on every element:
+    any two ranks' sum exceeds float16's largest value (65504), their means do not, and every
+    mean of 2 or 4 of them is exact in float16. Returns the set of values each call gave."""
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    values = torch.full((numel,), 40000.0 + 64 * rank, dtype=torch.float16)
+    reduced = values.clone()
+    dist.all_reduce(reduced, op=dist.ReduceOp.AVG)
+    scattered = torch.empty(numel // world, dtype=torch.float16)
+    dist.reduce_scatter_tensor(scattered, values, op=dist.ReduceOp.AVG)
+    dist.destroy_process_group()
+    return {"all_reduce": sorted(set(reduced.tolist())), "reduce_scatter": sorted(set(scattered.tolist()))}
+
+
+def reduce_scatter_16_bit_sums(dtype: str, op: str, numel_per_rank: int = 4096, ranks_per_host: int | None = None) -> dict:
     """A 16-bit reduce_scatter_tensor of random values (seeded by rank), against two references
     this rank computes from every rank's input: summed in float32 and rounded once (after the
     division, for AVG), and summed in the 16-bit dtype itself. Returns whether the result equals
-    each, and how many elements the two references differ in (so the check can fail)."""
+    each, and how many elements the two references differ in (so the check can fail). With
+    ``ranks_per_host``, for AVG: also _host_shares_rounded's references (as "float32_once" in
+    "differ_from_once_in")."""
     smddp_lite.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     kind = getattr(torch, dtype)
@@ -1032,9 +1064,12 @@ def reduce_scatter_16_bit_sums(dtype: str, op: str, numel_per_rank: int = 4096) 
     if op == "AVG":
         wide, narrow = wide / world, narrow / world
     once = wide.to(kind)
+    shared = _host_shares_rounded(list(mine), ranks_per_host, kind) if ranks_per_host and op == "AVG" else {}
     dist.destroy_process_group()
     return {"float32_once": bool(torch.equal(out, once)), "in_16_bit": bool(torch.equal(out, narrow)),
-            "references_differ_in": int((once != narrow).sum())}
+            "references_differ_in": int((once != narrow).sum()),
+            **{name: bool(torch.equal(out, ref)) for name, ref in shared.items()},
+            "differ_from_once_in": {name: int((ref != once).sum()) for name, ref in shared.items()}}
 
 
 def functional_collectives() -> dict:

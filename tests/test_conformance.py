@@ -133,4 +133,4 @@ def test_shm_16_bit_avg_all_reduce_divides_in_float32_and_rounds_once(dtype, num
     results = harness.launch("tests.programs:all_reduce_16_bit_avg", 3, env={"SMDDP_TRANSPORT": "shm"},
                              ranks_per_host=3, dtype=dtype, numel=numel)
     for report in harness.values(results):
-        assert report["widened"] and report["references_differ_in"] > 0, report
+        assert report["widened"] and report["differ_from_widened_in"]["host_sums_rounded"] > 0, report

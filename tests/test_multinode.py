@@ -195,27 +195,58 @@ def test_reduce_scatter_between_three_hosts_rounds_once_per_host_on_a_16_bit_wir
     assert results == [[want]] * 3
 
 
-@pytest.mark.parametrize("world, hosts_of, algorithm, numel, want", [
+@pytest.mark.parametrize("dtype, world, hosts_of, algorithm, numel, want", [
     # 2 hosts x 2: each host's sum rounds once on its way between hosts, as in a SUM; the
     # division comes before the last rounding
-    (4, 2, "hierarchical", 1 << 16, "host_sums_rounded"),
+    ("bfloat16", 4, 2, "hierarchical", 1 << 16, "host_sums_rounded"),
+    # float16: each host's mean instead (a float16 host sum can overflow), the hosts' means
+    # averaged; on hosts of 3, where a mean is not a sum's exponent shifted, the two differ
+    ("float16", 4, 2, "hierarchical", 1 << 16, "host_means_rounded"),
+    ("float16", 6, 3, "hierarchical", 1 << 16, "host_means_rounded"),
     # one rank per host: no host sum to round, so the float32 mean rounded once
-    (3, 1, "hierarchical", 1 << 16, "widened"),
+    ("bfloat16", 3, 1, "hierarchical", 1 << 16, "widened"),
+    ("float16", 3, 1, "hierarchical", 1 << 16, "widened"),
     # under hierarchical_min_bytes: the flat ring in float32, divided, rounded once
-    (4, 2, "auto", 1 << 10, "widened"),
+    ("bfloat16", 4, 2, "auto", 1 << 10, "widened"),
+    ("float16", 4, 2, "auto", 1 << 10, "widened"),
 ])
-def test_bfloat16_avg_all_reduce_between_hosts_divides_before_its_last_rounding(world, hosts_of, algorithm,
-                                                                                numel, want):
+def test_16_bit_avg_all_reduce_between_hosts_divides_before_its_last_rounding(dtype, world, hosts_of, algorithm,
+                                                                              numel, want):
     from . import harness
 
     results = harness.values(harness.launch("tests.programs:all_reduce_16_bit_avg", world,
                                             env={"SMDDP_ALGORITHM": algorithm}, hosts_of=hosts_of,
-                                            ranks_per_host=hosts_of,
-                                            numel=numel))
+                                            ranks_per_host=hosts_of, dtype=dtype, numel=numel))
     for report in results:
         assert report[want], report
-        if want == "host_sums_rounded":  # the two references must differ, or this shows nothing
-            assert report["references_differ_in"] > 0 and not report["widened"], report
+        if want != "widened":  # the references must differ, or this shows nothing
+            assert report["differ_from_widened_in"][want] > 0 and not report["widened"], report
+        if hosts_of == 3:  # hosts of 2 halve a sum exactly: the means are the sums' halves, the same bits
+            assert report["means_differ_from_sums_in"] > 0 and not report["host_sums_rounded"], report
+
+
+def test_float16_avg_reduce_scatter_between_hosts_rounds_each_hosts_mean_once():
+    """2 hosts x 2, forced hierarchical: each host's mean of its ranks' blocks, in float32 rounded
+    once to float16, crosses hosts; the two means are summed in float32, halved and rounded once."""
+    from . import harness
+
+    results = harness.values(harness.launch("tests.programs:reduce_scatter_16_bit_sums", 4,
+                                            env={"SMDDP_ALGORITHM": "hierarchical"}, hosts_of=2,
+                                            dtype="float16", op="AVG", ranks_per_host=2))
+    for report in results:
+        assert report["host_means_rounded"] and not report["float32_once"], report
+        assert report["differ_from_once_in"]["host_means_rounded"] > 0, report
+
+
+@pytest.mark.parametrize("algorithm", ["hierarchical", "auto"])
+def test_float16_avg_between_hosts_does_not_overflow_where_a_host_sum_would(algorithm):
+    """Every pair of these values sums past float16's largest value; their means are exact. 512 KiB
+    runs hierarchical under "auto" too (hierarchical_min_bytes is 256 KiB)."""
+    from . import harness
+
+    results = harness.values(harness.launch("tests.programs:float16_avg_of_large_values", 4,
+                                            env={"SMDDP_ALGORITHM": algorithm}, hosts_of=2))
+    assert results == [{"all_reduce": [40096.0], "reduce_scatter": [40096.0]}] * 4, results
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
@@ -234,6 +265,9 @@ def test_bfloat16_avg_all_reduce_between_hosts_divides_before_its_last_rounding(
     # gets back the other half's sums: one message's bytes (a widened bfloat16 AVG sent 2.0)
     ("all_reduce", "bfloat16", None, 1.0),
     ("all_reduce-avg", "bfloat16", None, 1.0),
+    # float16 AVG: each host's mean crosses in float16 (widened to float32 before: 2.0)
+    ("all_reduce-avg", "float16", None, 1.0),
+    ("reduce_scatter-avg", "float16", None, 0.5),
 ])
 def test_hierarchical_collectives_send_each_byte_between_hosts_once(op, dtype, wire, share):
     # 2 hosts x 2 ranks. reduce_scatter: a host sends the half of the blocks the other host's

@@ -35,7 +35,10 @@ the bytes through shared memory, the same bits) and widens them once, into the c
 A bfloat16 AVG (FSDP2's HSDP replicas) takes the all-to-all even between two hosts: the rank
 that sums a slice in float32 divides it there, before its one rounding, which gloo's ring cannot
 do; widened to float32 instead, it sent twice the bytes (2 x 2 hosts at 1 Gbit/s: 2.0x faster
-from 1 MiB, benchmarks/results/2026-11-23-hierarchical-bf16-avg-all-reduce.md).
+from 1 MiB, benchmarks/results/2026-11-23-hierarchical-bf16-avg-all-reduce.md). A float16 AVG
+does the same with each host's mean in place of its sum, as a float16 host sum can overflow where
+the mean cannot (widened to float32 instead, it too sent twice the bytes, and with a bfloat16
+wire dtype it crossed in bfloat16, with 3 mantissa bits fewer than its own dtype).
 A reduce_scatter's step between hosts (ZeRO's and FSDP's gradients) is an all-to-all of the
 host-reduced blocks with the sum taken where they arrive, so 16-bit blocks cross as they are and
 are summed in float32, and with a wire dtype set a float32 SUM crosses in it, as above.
@@ -79,12 +82,12 @@ class Topology:
 class HierarchicalTransport(Transport):
     name = "hierarchical"
     accumulates_low_precision = True  # shm sums 16-bit in float32; so does the inter-host step
-    # its last step sums in float32, so it can divide there. float16 SUM is not widened either
-    # (accumulates_low_precision); float16 AVG is, since a host's float16 sum can overflow
-    reduce_scatters_16_bit = frozenset({torch.bfloat16})
-    # and its bfloat16 AVG all_reduce sums the host sums in float32 between hosts, divides there
-    # and rounds once (_start_compressed_sum), so bfloat16 crosses the network as it is
-    all_reduces_16_bit_avg = frozenset({torch.bfloat16})
+    # A 16-bit AVG crosses hosts in its own dtype: its last step sums in float32, so it can divide
+    # there before its one rounding (_start_compressed_sum, and gloo's reduce_scatter). A float16
+    # host sum can overflow where the mean cannot, so float16 averages inside the host first
+    # (_averaged_in_host); bfloat16 has float32's range and sends its host sums, as a SUM does.
+    reduce_scatters_16_bit = frozenset(LOW_PRECISION)
+    all_reduces_16_bit_avg = frozenset(LOW_PRECISION)
     _calling: list[int] | None = None  # behind the ``calling`` property
 
     def __init__(self, store, rank: int, world_size: int, topology: Topology, intra_factory, timeout, config) -> None:
@@ -175,18 +178,32 @@ class HierarchicalTransport(Transport):
     def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
         if not self._hierarchical("all_reduce", tensor.numel() * tensor.element_size(), tensor.dtype):
             return self._flat_all_reduce(tensor, op)
-        # AVG (bfloat16 only: all_reduces_16_bit_avg) is a SUM whose step between hosts divides
-        # in float32 before its rounding; each host's sum is rounded once on the way, as in a SUM
-        op, divide_by = as_sum(op, self.world_size)
+        # AVG (16-bit only: all_reduces_16_bit_avg) is a SUM whose step between hosts divides in
+        # float32 before its rounding; each host's sum (float16: mean) is rounded once on the way
+        in_host, op, divide_by = self._averaged_in_host(op, tensor.dtype)
         n, L = tensor.numel(), self.per_node
         piece = max(L, self.chunk_bytes // tensor.element_size() // L * L)  # whole shards per piece
         started = []
         for start in range(0, n, piece):
             part = tensor[start : start + piece]
-            padded, shard = self._reduce_in_host(part, op)
+            padded, shard = self._reduce_in_host(part, in_host)
             started.append((self._start_inter_all_reduce(shard, op, divide_by),
                             lambda total, part=part, padded=padded: self._gather_in_host(part, padded, total)))
         _end_in_start_order(started)
+
+    def _averaged_in_host(self, op: RedOp, dtype: torch.dtype) -> tuple[RedOp, RedOp, int | None]:
+        """(the op inside the host, the op between hosts, what the last float32 sum between hosts
+        is divided by before its rounding) for ``op`` on ``dtype``.
+
+        An AVG is a SUM divided at the end, except in float16: a host's sum of float16 values can
+        exceed float16's largest value (65504) where their mean cannot, and it is rounded to
+        float16 before it crosses. So each host averages its ranks (shared memory sums in float32
+        and divides before rounding), and the hosts' means are averaged between hosts. Hosts hold
+        equal numbers of ranks here (Topology.uniform), so that is the mean over all ranks."""
+        if op is RedOp.AVG and dtype is torch.float16:
+            return RedOp.AVG, RedOp.SUM, self.nodes
+        summed, divide_by = as_sum(op, self.world_size)
+        return summed, summed, divide_by
 
     def _reduce_in_host(self, tensor: torch.Tensor, op: RedOp) -> tuple[torch.Tensor, torch.Tensor]:
         """(``tensor`` padded to L equal shards, this rank's shard summed over its host)."""
@@ -322,12 +339,13 @@ class HierarchicalTransport(Transport):
         rows[self.by_local_index] = gathered.view(self.world_size, width)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
-        # AVG (bfloat16 only: reduce_scatters_16_bit) is a SUM whose last, float32
-        # step divides before rounding; each host's sum is rounded once on the way, as in a SUM
-        op, divide_by = as_sum(op, self.world_size)
+        # AVG (16-bit only: reduce_scatters_16_bit) is a SUM whose last, float32 step divides
+        # before rounding; each host's sum (float16: mean) is rounded once on the way, as in a SUM
         if not self._hierarchical("reduce_scatter", input.numel() * input.element_size(), input.dtype):
+            op, divide_by = as_sum(op, self.world_size)
             return self.flat.reduce_scatter(output, input, op, accumulate=_float32_for_16_bit(input),
                                             divide_by=divide_by)
+        in_host, op, divide_by = self._averaged_in_host(op, input.dtype)
         m, N = output.numel(), self.nodes
         blocks = input.view(self.world_size, m)
         # Pieces of every block, as the all_reduce's: each piece's exchange between hosts runs on
@@ -337,7 +355,7 @@ class HierarchicalTransport(Transport):
         for columns in self._pieces(m, input.element_size()):
             grouped = blocks[self.by_local_index, columns].reshape(-1)  # a copy: the piece, in (L, N) order
             host_sums = torch.empty(N * (columns.stop - columns.start), dtype=input.dtype)
-            self.intra.reduce_scatter(host_sums, grouped, op)  # my index's blocks, summed over my host
+            self.intra.reduce_scatter(host_sums, grouped, in_host)  # my index's blocks, summed over my host
             sent = self._reduce_scatter_wire(host_sums, op)
             started.append((self.inter.reduce_scatter_async(output[columns], sent, op, divide_by=divide_by,
                                                             accumulate=_float32_for_16_bit(sent)), None))
