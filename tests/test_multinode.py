@@ -202,7 +202,7 @@ def test_reduce_scatter_between_three_hosts_rounds_once_per_host_on_a_16_bit_wir
     # float16: each host's mean instead (a float16 host sum can overflow), the hosts' means
     # averaged; on hosts of 3, where a mean is not a sum's exponent shifted, the two differ
     ("float16", 4, 2, "hierarchical", 1 << 16, "host_means_rounded"),
-    ("float16", 6, 3, "hierarchical", 1 << 16, "host_means_rounded"),
+    ("float16", 6, 3, "hierarchical", 100003, "host_means_rounded"),  # shards and pieces of uneven size
     # one rank per host: no host sum to round, so the float32 mean rounded once
     ("bfloat16", 3, 1, "hierarchical", 1 << 16, "widened"),
     ("float16", 3, 1, "hierarchical", 1 << 16, "widened"),
@@ -214,8 +214,9 @@ def test_16_bit_avg_all_reduce_between_hosts_divides_before_its_last_rounding(dt
                                                                               numel, want):
     from . import harness
 
-    results = harness.values(harness.launch("tests.programs:all_reduce_16_bit_avg", world,
-                                            env={"SMDDP_ALGORITHM": algorithm}, hosts_of=hosts_of,
+    # pieces of 4 KiB: each piece's host sums (or means) cross and are summed on their own
+    env = {"SMDDP_ALGORITHM": algorithm, "SMDDP_HIERARCHICAL_CHUNK_BYTES": "4096"}
+    results = harness.values(harness.launch("tests.programs:all_reduce_16_bit_avg", world, env=env, hosts_of=hosts_of,
                                             ranks_per_host=hosts_of, dtype=dtype, numel=numel))
     for report in results:
         assert report[want], report
@@ -226,15 +227,18 @@ def test_16_bit_avg_all_reduce_between_hosts_divides_before_its_last_rounding(dt
 
 
 def test_float16_avg_reduce_scatter_between_hosts_rounds_each_hosts_mean_once():
-    """2 hosts x 2, forced hierarchical: each host's mean of its ranks' blocks, in float32 rounded
-    once to float16, crosses hosts; the two means are summed in float32, halved and rounded once."""
+    """2 hosts x 3, forced hierarchical, blocks of an odd size in pieces of 4 KiB: each host's
+    mean of its ranks' blocks, in float32 rounded once to float16, crosses hosts; the two means
+    are summed in float32, halved and rounded once (on hosts of 3 a mean is not a sum's exponent
+    shifted, so the host sums' reference differs)."""
     from . import harness
 
-    results = harness.values(harness.launch("tests.programs:reduce_scatter_16_bit_sums", 4,
-                                            env={"SMDDP_ALGORITHM": "hierarchical"}, hosts_of=2,
-                                            dtype="float16", op="AVG", ranks_per_host=2))
+    env = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_HIERARCHICAL_CHUNK_BYTES": "4096"}
+    results = harness.values(harness.launch("tests.programs:reduce_scatter_16_bit_sums", 6, env=env, hosts_of=3,
+                                            dtype="float16", op="AVG", ranks_per_host=3, numel_per_rank=10007))
     for report in results:
         assert report["host_means_rounded"] and not report["float32_once"], report
+        assert not report["host_sums_rounded"], report
         assert report["differ_from_once_in"]["host_means_rounded"] > 0, report
 
 
