@@ -84,10 +84,11 @@ class HierarchicalTransport(Transport):
     accumulates_low_precision = True  # shm sums 16-bit in float32; so does the inter-host step
     # A 16-bit AVG crosses hosts in its own dtype: its last step sums in float32, so it can divide
     # there before its one rounding (_start_compressed_sum, and gloo's reduce_scatter). A float16
-    # host sum can overflow where the mean cannot, so float16 averages inside the host first
-    # (_averaged_in_host); bfloat16 has float32's range and sends its host sums, as a SUM does.
-    reduce_scatters_16_bit = frozenset(LOW_PRECISION)
-    all_reduces_16_bit_avg = frozenset(LOW_PRECISION)
+    # host sum can overflow where the mean cannot, so an AVG that crosses in float16 sends each
+    # host's mean (_averaged_in_host); bfloat16 has float32's range and sends host sums, as a SUM.
+    # With a float16 wire dtype, float32 AVGs are taken too, for that reason (__init__).
+    reduce_scatters_taken = frozenset(LOW_PRECISION)
+    avg_all_reduces_taken = frozenset(LOW_PRECISION)
     _calling: list[int] | None = None  # behind the ``calling`` property
 
     def __init__(self, store, rank: int, world_size: int, topology: Topology, intra_factory, timeout, config) -> None:
@@ -100,6 +101,9 @@ class HierarchicalTransport(Transport):
         self.chunk_bytes = config.hierarchical_chunk_bytes
         self.always = config.algorithm == "hierarchical"
         self.wire = getattr(torch, config.inter_node_wire_dtype) if config.inter_node_wire_dtype else None
+        if self.wire is torch.float16:  # a float32 AVG's host sums would cross in float16: take it as AVG
+            self.reduce_scatters_taken = self.reduce_scatters_taken | {torch.float32}
+            self.avg_all_reduces_taken = self.avg_all_reduces_taken | {torch.float32}
         self.exact_16bit_sums = config.inter_node_accumulate == "float32"
         self.debug = config.debug
         self.intra = intra_factory(dist.PrefixStore(f"intra{self.node}", store), self.local_rank, self.per_node)
@@ -178,32 +182,39 @@ class HierarchicalTransport(Transport):
     def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
         if not self._hierarchical("all_reduce", tensor.numel() * tensor.element_size(), tensor.dtype):
             return self._flat_all_reduce(tensor, op)
-        # AVG (16-bit only: all_reduces_16_bit_avg) is a SUM whose step between hosts divides in
-        # float32 before its rounding; each host's sum (float16: mean) is rounded once on the way
-        in_host, op, divide_by = self._averaged_in_host(op, tensor.dtype)
+        # AVG (avg_all_reduces_taken) is a SUM whose step between hosts divides in float32 before
+        # its rounding; each host's sum (in float16: mean) is rounded once on the way
+        in_host, op, divide_by, host_mean = self._averaged_in_host(op, tensor.dtype)
         n, L = tensor.numel(), self.per_node
         piece = max(L, self.chunk_bytes // tensor.element_size() // L * L)  # whole shards per piece
         started = []
         for start in range(0, n, piece):
             part = tensor[start : start + piece]
             padded, shard = self._reduce_in_host(part, in_host)
+            if host_mean:
+                shard.div_(L)
             started.append((self._start_inter_all_reduce(shard, op, divide_by),
                             lambda total, part=part, padded=padded: self._gather_in_host(part, padded, total)))
         _end_in_start_order(started)
 
-    def _averaged_in_host(self, op: RedOp, dtype: torch.dtype) -> tuple[RedOp, RedOp, int | None]:
+    def _averaged_in_host(self, op: RedOp, dtype: torch.dtype) -> tuple[RedOp, RedOp, int | None, bool]:
         """(the op inside the host, the op between hosts, what the last float32 sum between hosts
-        is divided by before its rounding) for ``op`` on ``dtype``.
+        is divided by before its rounding, whether the host's float32 sum is divided by its
+        ranks before it crosses) for ``op`` on ``dtype``.
 
-        An AVG is a SUM divided at the end, except in float16: a host's sum of float16 values can
-        exceed float16's largest value (65504) where their mean cannot, and it is rounded to
-        float16 before it crosses. So each host averages its ranks (shared memory sums in float32
-        and divides before rounding), and the hosts' means are averaged between hosts. Hosts hold
-        equal numbers of ranks here (Topology.uniform), so that is the mean over all ranks."""
+        An AVG is a SUM divided at the end, except where it crosses hosts in float16: a host's
+        sum of float16 values can exceed float16's largest value (65504) where their mean cannot,
+        and it is rounded to float16 before it crosses. So each host averages its ranks (a
+        float16 input in shared memory, which sums in float32 and divides before rounding; a
+        float32 one on a float16 wire after its float32 sum), and the hosts' means are averaged
+        between hosts. Hosts hold equal numbers of ranks here (Topology.uniform), so that is the
+        mean over all ranks."""
         if op is RedOp.AVG and dtype is torch.float16:
-            return RedOp.AVG, RedOp.SUM, self.nodes
+            return RedOp.AVG, RedOp.SUM, self.nodes, False
+        if op is RedOp.AVG and dtype is torch.float32 and self.wire is torch.float16:
+            return RedOp.SUM, RedOp.SUM, self.nodes, True
         summed, divide_by = as_sum(op, self.world_size)
-        return summed, summed, divide_by
+        return summed, summed, divide_by, False
 
     def _reduce_in_host(self, tensor: torch.Tensor, op: RedOp) -> tuple[torch.Tensor, torch.Tensor]:
         """(``tensor`` padded to L equal shards, this rank's shard summed over its host)."""
@@ -228,13 +239,13 @@ class HierarchicalTransport(Transport):
         """Start reducing ``shard`` with the same-index ranks of the other hosts; returns the
         function that waits and returns the result: ``shard`` itself, or the sums as they came
         off a 16-bit wire (every local rank's in the same dtype, since all see the same config).
-        ``divide_by`` (a bfloat16 AVG's SUM): the float32 sums are divided before rounding."""
+        ``divide_by`` (an AVG's SUM): the float32 sums are divided before rounding."""
         floating = shard.dtype.is_floating_point
         wire = self.wire if shard.dtype not in LOW_PRECISION else shard.dtype
         if divide_by is not None:
             # gloo's ring would round the sum before the division could happen; the exchange of
             # _start_compressed_sum sums in float32 on one rank per slice, which can divide first
-            return self._start_compressed_sum(shard, shard.dtype, divide_by)
+            return self._start_compressed_sum(shard, wire, divide_by)
         if op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
             if self.nodes > 2 and self.exact_16bit_sums:
                 return self._start_compressed_sum(shard, wire)
@@ -290,15 +301,15 @@ class HierarchicalTransport(Transport):
         return finish
 
     def _flat_all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
-        if tensor.dtype in LOW_PRECISION:  # widened, as in _start_inter_all_reduce
-            wide = tensor.float()
-            summed_op, divide_by = as_sum(op, self.world_size)
-            self.flat.all_reduce(wide, summed_op)
-            if divide_by is not None:
-                wide.div_(divide_by)
+        """gloo's ring over all ranks, summing in float32 (16-bit inputs widened, as in
+        _start_inter_all_reduce) and dividing an AVG before the one rounding."""
+        wide = tensor.float() if tensor.dtype in LOW_PRECISION else tensor
+        summed_op, divide_by = as_sum(op, self.world_size)
+        self.flat.all_reduce(wide, summed_op)
+        if divide_by is not None:
+            wide.div_(divide_by)
+        if wide is not tensor:
             tensor.copy_(wide)
-        else:
-            self.flat.all_reduce(tensor, op)
 
     # all_gather / reduce_scatter -----------------------------------------------------------------
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -339,13 +350,13 @@ class HierarchicalTransport(Transport):
         rows[self.by_local_index] = gathered.view(self.world_size, width)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
-        # AVG (16-bit only: reduce_scatters_16_bit) is a SUM whose last, float32 step divides
-        # before rounding; each host's sum (float16: mean) is rounded once on the way, as in a SUM
+        # AVG (reduce_scatters_taken) is a SUM whose last, float32 step divides before rounding;
+        # each host's sum (where it crosses in float16: mean) is rounded once on the way, as in a SUM
         if not self._hierarchical("reduce_scatter", input.numel() * input.element_size(), input.dtype):
             op, divide_by = as_sum(op, self.world_size)
             return self.flat.reduce_scatter(output, input, op, accumulate=_float32_for_16_bit(input),
                                             divide_by=divide_by)
-        in_host, op, divide_by = self._averaged_in_host(op, input.dtype)
+        in_host, op, divide_by, host_mean = self._averaged_in_host(op, input.dtype)
         m, N = output.numel(), self.nodes
         blocks = input.view(self.world_size, m)
         # Pieces of every block, as the all_reduce's: each piece's exchange between hosts runs on
@@ -356,6 +367,8 @@ class HierarchicalTransport(Transport):
             grouped = blocks[self.by_local_index, columns].reshape(-1)  # a copy: the piece, in (L, N) order
             host_sums = torch.empty(N * (columns.stop - columns.start), dtype=input.dtype)
             self.intra.reduce_scatter(host_sums, grouped, in_host)  # my index's blocks, summed over my host
+            if host_mean:
+                host_sums.div_(self.per_node)
             sent = self._reduce_scatter_wire(host_sums, op)
             started.append((self.inter.reduce_scatter_async(output[columns], sent, op, divide_by=divide_by,
                                                             accumulate=_float32_for_16_bit(sent)), None))
