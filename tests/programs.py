@@ -988,10 +988,10 @@ def reduce_scatter_rounding(dtype: str, numel_per_rank: int = 1024) -> list[floa
 
 
 def _host_shares_rounded(blocks: list[torch.Tensor], ranks_per_host: int, kind: torch.dtype) -> dict:
-    """Two references for a 16-bit AVG that crosses hosts in ``kind``, from every rank's
-    ``blocks`` (in rank order, hosts of ``ranks_per_host`` consecutive ranks): each host's float32
-    sum ("host sums rounded") or mean ("host means rounded") rounded to ``kind`` once, those
-    summed in float32 in host order, divided by the ranks (or the hosts) and rounded once."""
+    """Two references for an AVG that crosses hosts in ``kind``, from every rank's ``blocks``
+    (in rank order, hosts of ``ranks_per_host`` consecutive ranks): each host's float32 sum
+    ("host sums rounded") or mean ("host means rounded") rounded to ``kind`` once, those summed
+    in float32 in host order, divided by the ranks (or the hosts) and rounded once."""
     world = len(blocks)
     hosts = range(0, world, ranks_per_host)
     sums = [torch.stack(blocks[k : k + ranks_per_host]).float().sum(0) for k in hosts]

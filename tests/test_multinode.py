@@ -203,9 +203,11 @@ def test_reduce_scatter_between_three_hosts_rounds_once_per_host_on_a_16_bit_wir
     # averaged; on hosts of 3, where a mean is not a sum's exponent shifted, the two differ
     ("float16", 4, 2, "hierarchical", 1 << 16, "host_means_rounded"),
     ("float16", 6, 3, "hierarchical", 100003, "host_means_rounded"),  # shards and pieces of uneven size
-    # float32 on a float16 wire: the host's float32 sum, divided by its ranks, crosses in float16
-    # (on 2 hosts of 2 the sum gloo's ring rounded, divided by 4, gave the same bits; 3 hosts not)
+    # float32 on a float16 wire: the host's float32 sum, divided by its ranks, crosses in float16.
+    # (Between 2 hosts gloo's ring adds the hosts' shares of the mean, their sums over the world
+    # size: each is its mean halved, exactly, so the bits are the same.)
     ("float32-on-float16", 4, 2, "hierarchical", 1 << 16, "host_means_rounded"),
+    ("float32-on-float16", 6, 3, "hierarchical", 100003, "host_means_rounded"),
     ("float32-on-float16", 6, 2, "hierarchical", 100003, "host_means_rounded"),
     # one rank per host: no host sum to round, so the float32 mean rounded once
     ("bfloat16", 3, 1, "hierarchical", 1 << 16, "widened"),

@@ -239,15 +239,23 @@ class HierarchicalTransport(Transport):
         off a 16-bit wire (every local rank's in the same dtype, since all see the same config).
         ``divide_by`` (an AVG's SUM): the float32 sums are divided before rounding;
         ``sent_divided_by``: ``shard`` is divided by it on its way into the wire dtype (a host's
-        float32 sum made its mean)."""
+        float32 sum made its mean), or, where gloo's ring sums, by it and ``divide_by`` (its
+        share of the mean, which the ring's sum then is)."""
         floating = shard.dtype.is_floating_point
         wire = self.wire if shard.dtype not in LOW_PRECISION else shard.dtype
-        if divide_by is not None:
+        ring = self.nodes == 2 or not self.exact_16bit_sums  # rounds its sums once, or as the user chose
+        if divide_by is not None and sent_divided_by is not None and ring:
+            # a float32 host sum's share of the mean (sum / world size) is no larger than its
+            # largest value, so gloo's ring can add the shares in the wire dtype (below); on 2 x 2
+            # simulated hosts the exchange of _start_compressed_sum ran 1-2 MiB at 0.70-0.86x the
+            # ring in 2 of 3 runs (benchmarks/results/2026-11-26-hierarchical-fp16-avg.md)
+            on_wire = _into_wire(shard, torch.empty(shard.numel(), dtype=wire), sent_divided_by * divide_by)
+        elif divide_by is not None:
             # gloo's ring would round the sum before the division could happen; the exchange of
             # _start_compressed_sum sums in float32 on one rank per slice, which can divide first
             return self._start_compressed_sum(shard, wire, divide_by, sent_divided_by)
-        if op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
-            if self.nodes > 2 and self.exact_16bit_sums:
+        elif op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
+            if not ring:
                 return self._start_compressed_sum(shard, wire)
             # two hosts: one addition per element, which gloo's own ring rounds to the wire dtype
             # once, exactly as a float32 sum rounded at the end; and its ring pipelines sending
