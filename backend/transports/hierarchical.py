@@ -38,7 +38,10 @@ do; widened to float32 instead, it sent twice the bytes (2 x 2 hosts at 1 Gbit/s
 from 1 MiB, benchmarks/results/2026-11-23-hierarchical-bf16-avg-all-reduce.md). A float16 AVG
 does the same with each host's mean in place of its sum, as a float16 host sum can overflow where
 the mean cannot (widened to float32 instead, it too sent twice the bytes, and with a bfloat16
-wire dtype it crossed in bfloat16, with 3 mantissa bits fewer than its own dtype).
+wire dtype it crossed in bfloat16, with 3 mantissa bits fewer than its own dtype). A float32 AVG
+on a float16 wire dtype sends host means for the same reason (between two hosts, through gloo's
+ring, each host's share of the mean, which has the same bits); a float32 SUM there sends its host
+sums, which float16 holds up to 65504 only.
 A reduce_scatter's step between hosts (ZeRO's and FSDP's gradients) is an all-to-all of the
 host-reduced blocks with the sum taken where they arrive, so 16-bit blocks cross as they are and
 are summed in float32, and with a wire dtype set a float32 SUM crosses in it, as above.
