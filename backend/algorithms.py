@@ -181,7 +181,7 @@ class Collectives:
             flat, unpack = _pack(group)
             self._agree("all_reduce", flat.dtype, flat.numel(), int(op))
             flat = premultiplied(flat)
-            if op is RedOp.AVG and flat.dtype in self.transport.avg_all_reduces_taken:
+            if op is RedOp.AVG and flat.dtype in self.transport.all_reduces_16_bit_avg:
                 self.transport.all_reduce(flat, op)  # 16 bits on the network (widened: twice the bytes)
             else:
                 wire, wire_op, finish = self._wire(flat, op)
@@ -233,7 +233,7 @@ class Collectives:
         self._agree("reduce_scatter", src.dtype, dst.numel(), int(op))
         if src.dtype is torch.bool:
             self.transport.reduce_scatter(dst.view(torch.uint8), src.view(torch.uint8), _BOOL_OP[op])
-        elif src.dtype in self.transport.reduce_scatters_taken and op in (RedOp.SUM, RedOp.AVG):
+        elif src.dtype in self.transport.reduce_scatters_16_bit and op in (RedOp.SUM, RedOp.AVG):
             self.transport.reduce_scatter(dst, src, op)  # 16 bits on the network (widened: twice the bytes)
         else:
             wire_out, wire_op, finish = self._wire(dst, op)

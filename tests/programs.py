@@ -988,10 +988,10 @@ def reduce_scatter_rounding(dtype: str, numel_per_rank: int = 1024) -> list[floa
 
 
 def _host_shares_rounded(blocks: list[torch.Tensor], ranks_per_host: int, kind: torch.dtype) -> dict:
-    """Two references for an AVG that crosses hosts in ``kind``, from every rank's ``blocks``
-    (in rank order, hosts of ``ranks_per_host`` consecutive ranks): each host's float32 sum
-    ("host sums rounded") or mean ("host means rounded") rounded to ``kind`` once, those summed
-    in float32 in host order, divided by the ranks (or the hosts) and rounded once."""
+    """Two references for a 16-bit AVG that crosses hosts in ``kind``, from every rank's
+    ``blocks`` (in rank order, hosts of ``ranks_per_host`` consecutive ranks): each host's float32
+    sum ("host sums rounded") or mean ("host means rounded") rounded to ``kind`` once, those
+    summed in float32 in host order, divided by the ranks (or the hosts) and rounded once."""
     world = len(blocks)
     hosts = range(0, world, ranks_per_host)
     sums = [torch.stack(blocks[k : k + ranks_per_host]).float().sum(0) for k in hosts]
@@ -1005,25 +1005,21 @@ def _host_shares_rounded(blocks: list[torch.Tensor], ranks_per_host: int, kind: 
     return references
 
 
-def all_reduce_16_bit_avg(ranks_per_host: int, dtype: str = "bfloat16", numel: int = 1 << 16,
-                          wire: str | None = None) -> dict:
+def all_reduce_16_bit_avg(ranks_per_host: int, dtype: str = "bfloat16", numel: int = 1 << 16) -> dict:
     """A 16-bit AVG all_reduce of random values (seeded by rank) on hosts of ``ranks_per_host``
     ranks each, against references this rank computes from every rank's input: the mean in
     float32 rounded once ("widened", what the algorithms layer's float32 copy gives), and the two
     of _host_shares_rounded (a SUM's rounding plus a division before the last rounding; or each
     host's mean rounded, as float16 crosses hosts). Returns whether the result equals each, in how
-    many elements each differs from "widened", and in how many the two host references differ.
-    ``wire``: the dtype the host references round to (SMDDP_INTER_NODE_WIRE_DTYPE, for a float32
-    ``dtype``), each then widened back to ``dtype``."""
+    many elements each differs from "widened", and in how many the two host references differ."""
     smddp_lite.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     kind = getattr(torch, dtype)
     inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)).to(kind) for r in range(world)]
     out = inputs[rank].clone()
     dist.all_reduce(out, op=dist.ReduceOp.AVG)
-    shared = _host_shares_rounded(inputs, ranks_per_host, getattr(torch, wire) if wire else kind)
     references = {"widened": (torch.stack(inputs).float().sum(0) / world).to(kind),
-                  **{name: ref.to(kind) for name, ref in shared.items()}}
+                  **_host_shares_rounded(inputs, ranks_per_host, kind)}
     dist.destroy_process_group()
     return {**{name: bool(torch.equal(out, ref)) for name, ref in references.items()},
             "differ_from_widened_in": {name: int((ref != references["widened"]).sum())
@@ -1031,16 +1027,16 @@ def all_reduce_16_bit_avg(ranks_per_host: int, dtype: str = "bfloat16", numel: i
             "means_differ_from_sums_in": int((references["host_means_rounded"] != references["host_sums_rounded"]).sum())}
 
 
-def avg_of_large_values(dtype: str = "float16", numel: int = 3 << 17) -> dict:
-    """AVG all_reduce and reduce_scatter_tensor of 40000 + 64 x rank on every element: any two
-    ranks' sum exceeds float16's largest value (65504), their means do not, and every mean of
-    2, 4 or 6 consecutive ranks is exact in float16. Returns the set of values each call gave."""
+def float16_avg_of_large_values(numel: int = 1 << 18) -> dict:
+    """float16 AVG all_reduce and reduce_scatter_tensor of 40000 + 64 x rank on every element:
+    any two ranks' sum exceeds float16's largest value (65504), their means do not, and every
+    mean of 2 or 4 of them is exact in float16. Returns the set of values each call gave."""
     smddp_lite.init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    values = torch.full((numel,), 40000.0 + 64 * rank, dtype=getattr(torch, dtype))
+    values = torch.full((numel,), 40000.0 + 64 * rank, dtype=torch.float16)
     reduced = values.clone()
     dist.all_reduce(reduced, op=dist.ReduceOp.AVG)
-    scattered = torch.empty(numel // world, dtype=values.dtype)
+    scattered = torch.empty(numel // world, dtype=torch.float16)
     dist.reduce_scatter_tensor(scattered, values, op=dist.ReduceOp.AVG)
     dist.destroy_process_group()
     return {"all_reduce": sorted(set(reduced.tolist())), "reduce_scatter": sorted(set(scattered.tolist()))}

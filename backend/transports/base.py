@@ -1,8 +1,8 @@
 """The interface every transport implements.
 
 Tensors arrive flat (1-D), contiguous and on the CPU; the algorithms layer has already turned AVG
-into SUM (except the AVGs a transport takes itself: ``reduce_scatters_taken``,
-``avg_all_reduces_taken``), bool into uint8 and, when ``accumulates_low_precision`` is False,
+into SUM (except the 16-bit AVGs a transport takes itself: ``reduce_scatters_16_bit``,
+``all_reduces_16_bit_avg``), bool into uint8 and, when ``accumulates_low_precision`` is False,
 16-bit floats into float32. Every method blocks until this rank's part is done and raises
 ``SMDDPError`` (with the transport's own error text) on failure.
 """
@@ -23,17 +23,16 @@ class Transport(abc.ABC):
     accumulates_low_precision: bool = False
     """True when the transport itself sums float16/bfloat16 in float32 (so callers need not
     upcast before sending)."""
-    reduce_scatters_taken: frozenset = frozenset()
-    """Float dtypes whose SUM and AVG reduce_scatter this transport takes as they are: it sums
-    16-bit ones in float32 and divides an AVG before the single rounding into the output, so the
+    reduce_scatters_16_bit: frozenset = frozenset()
+    """16-bit float dtypes whose SUM and AVG reduce_scatter this transport takes as they are: it
+    sums them in float32 and divides an AVG before the single rounding into the output, so the
     algorithms layer need not widen them to float32, which doubles the bytes moved (FSDP2 sends
-    bfloat16 AVG with reduce_dtype=bfloat16, ZeRO 16-bit SUM). (float32 only where an AVG must
-    be divided before it is rounded on its way: the hierarchical transport on a float16 wire.)"""
-    avg_all_reduces_taken: frozenset = frozenset()
-    """Float dtypes whose AVG all_reduce this transport takes as it is: it sums in float32 and
-    divides before the last rounding, so the algorithms layer need not widen a 16-bit tensor to
+    bfloat16 AVG with reduce_dtype=bfloat16, ZeRO 16-bit SUM)."""
+    all_reduces_16_bit_avg: frozenset = frozenset()
+    """16-bit float dtypes whose AVG all_reduce this transport takes as it is: it sums in float32
+    and divides before the last rounding, so the algorithms layer need not widen the tensor to
     float32 (twice the bytes, on every link) to divide it there (FSDP2's HSDP replicas average
-    bfloat16 gradients with an AVG all_reduce). (float32: as for ``reduce_scatters_taken``.)"""
+    bfloat16 gradients with an AVG all_reduce)."""
     checks_signatures: bool = False
     """True when every collective already verifies op, dtype and size across ranks."""
     runs_inline: bool = False

@@ -38,10 +38,7 @@ do; widened to float32 instead, it sent twice the bytes (2 x 2 hosts at 1 Gbit/s
 from 1 MiB, benchmarks/results/2026-11-23-hierarchical-bf16-avg-all-reduce.md). A float16 AVG
 does the same with each host's mean in place of its sum, as a float16 host sum can overflow where
 the mean cannot (widened to float32 instead, it too sent twice the bytes, and with a bfloat16
-wire dtype it crossed in bfloat16, with 3 mantissa bits fewer than its own dtype). A float32 AVG
-on a float16 wire dtype sends host means for the same reason (between two hosts, through gloo's
-ring, each host's share of the mean, which has the same bits); a float32 SUM there sends its host
-sums, which float16 holds up to 65504 only.
+wire dtype it crossed in bfloat16, with 3 mantissa bits fewer than its own dtype).
 A reduce_scatter's step between hosts (ZeRO's and FSDP's gradients) is an all-to-all of the
 host-reduced blocks with the sum taken where they arrive, so 16-bit blocks cross as they are and
 are summed in float32, and with a wire dtype set a float32 SUM crosses in it, as above.
@@ -87,11 +84,10 @@ class HierarchicalTransport(Transport):
     accumulates_low_precision = True  # shm sums 16-bit in float32; so does the inter-host step
     # A 16-bit AVG crosses hosts in its own dtype: its last step sums in float32, so it can divide
     # there before its one rounding (_start_compressed_sum, and gloo's reduce_scatter). A float16
-    # host sum can overflow where the mean cannot, so an AVG that crosses in float16 sends each
-    # host's mean (_averaged_in_host); bfloat16 has float32's range and sends host sums, as a SUM.
-    # With a float16 wire dtype, float32 AVGs are taken too, for that reason (__init__).
-    reduce_scatters_taken = frozenset(LOW_PRECISION)
-    avg_all_reduces_taken = frozenset(LOW_PRECISION)
+    # host sum can overflow where the mean cannot, so float16 averages inside the host first
+    # (_averaged_in_host); bfloat16 has float32's range and sends its host sums, as a SUM does.
+    reduce_scatters_16_bit = frozenset(LOW_PRECISION)
+    all_reduces_16_bit_avg = frozenset(LOW_PRECISION)
     _calling: list[int] | None = None  # behind the ``calling`` property
 
     def __init__(self, store, rank: int, world_size: int, topology: Topology, intra_factory, timeout, config) -> None:
@@ -104,9 +100,6 @@ class HierarchicalTransport(Transport):
         self.chunk_bytes = config.hierarchical_chunk_bytes
         self.always = config.algorithm == "hierarchical"
         self.wire = getattr(torch, config.inter_node_wire_dtype) if config.inter_node_wire_dtype else None
-        if self.wire is torch.float16:  # a float32 AVG's host sums would cross in float16: take it as AVG
-            self.reduce_scatters_taken = self.reduce_scatters_taken | {torch.float32}
-            self.avg_all_reduces_taken = self.avg_all_reduces_taken | {torch.float32}
         self.exact_16bit_sums = config.inter_node_accumulate == "float32"
         self.debug = config.debug
         self.intra = intra_factory(dist.PrefixStore(f"intra{self.node}", store), self.local_rank, self.per_node)
@@ -185,37 +178,32 @@ class HierarchicalTransport(Transport):
     def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
         if not self._hierarchical("all_reduce", tensor.numel() * tensor.element_size(), tensor.dtype):
             return self._flat_all_reduce(tensor, op)
-        # AVG (avg_all_reduces_taken) is a SUM whose step between hosts divides in float32 before
-        # its rounding; each host's sum (in float16: mean) is rounded once on the way
-        in_host, op, divide_by, host_mean = self._averaged_in_host(op, tensor.dtype)
+        # AVG (16-bit only: all_reduces_16_bit_avg) is a SUM whose step between hosts divides in
+        # float32 before its rounding; each host's sum (float16: mean) is rounded once on the way
+        in_host, op, divide_by = self._averaged_in_host(op, tensor.dtype)
         n, L = tensor.numel(), self.per_node
         piece = max(L, self.chunk_bytes // tensor.element_size() // L * L)  # whole shards per piece
         started = []
         for start in range(0, n, piece):
             part = tensor[start : start + piece]
             padded, shard = self._reduce_in_host(part, in_host)
-            started.append((self._start_inter_all_reduce(shard, op, divide_by, L if host_mean else None),
+            started.append((self._start_inter_all_reduce(shard, op, divide_by),
                             lambda total, part=part, padded=padded: self._gather_in_host(part, padded, total)))
         _end_in_start_order(started)
 
-    def _averaged_in_host(self, op: RedOp, dtype: torch.dtype) -> tuple[RedOp, RedOp, int | None, bool]:
+    def _averaged_in_host(self, op: RedOp, dtype: torch.dtype) -> tuple[RedOp, RedOp, int | None]:
         """(the op inside the host, the op between hosts, what the last float32 sum between hosts
-        is divided by before its rounding, whether the host's float32 sum is divided by its
-        ranks before it crosses) for ``op`` on ``dtype``.
+        is divided by before its rounding) for ``op`` on ``dtype``.
 
-        An AVG is a SUM divided at the end, except where it crosses hosts in float16: a host's
-        sum of float16 values can exceed float16's largest value (65504) where their mean cannot,
-        and it is rounded to float16 before it crosses. So each host averages its ranks (a
-        float16 input in shared memory, which sums in float32 and divides before rounding; a
-        float32 one on a float16 wire after its float32 sum), and the hosts' means are averaged
-        between hosts. Hosts hold equal numbers of ranks here (Topology.uniform), so that is the
-        mean over all ranks."""
+        An AVG is a SUM divided at the end, except in float16: a host's sum of float16 values can
+        exceed float16's largest value (65504) where their mean cannot, and it is rounded to
+        float16 before it crosses. So each host averages its ranks (shared memory sums in float32
+        and divides before rounding), and the hosts' means are averaged between hosts. Hosts hold
+        equal numbers of ranks here (Topology.uniform), so that is the mean over all ranks."""
         if op is RedOp.AVG and dtype is torch.float16:
-            return RedOp.AVG, RedOp.SUM, self.nodes, False
-        if op is RedOp.AVG and dtype is torch.float32 and self.wire is torch.float16:
-            return RedOp.SUM, RedOp.SUM, self.nodes, True
+            return RedOp.AVG, RedOp.SUM, self.nodes
         summed, divide_by = as_sum(op, self.world_size)
-        return summed, summed, divide_by, False
+        return summed, summed, divide_by
 
     def _reduce_in_host(self, tensor: torch.Tensor, op: RedOp) -> tuple[torch.Tensor, torch.Tensor]:
         """(``tensor`` padded to L equal shards, this rank's shard summed over its host)."""
@@ -235,30 +223,20 @@ class HierarchicalTransport(Transport):
         if padded is not tensor:
             tensor.copy_(padded[: tensor.numel()])
 
-    def _start_inter_all_reduce(self, shard: torch.Tensor, op: RedOp, divide_by: int | None = None,
-                                sent_divided_by: int | None = None) -> Callable[[], torch.Tensor]:
+    def _start_inter_all_reduce(self, shard: torch.Tensor, op: RedOp,
+                                divide_by: int | None = None) -> Callable[[], torch.Tensor]:
         """Start reducing ``shard`` with the same-index ranks of the other hosts; returns the
         function that waits and returns the result: ``shard`` itself, or the sums as they came
         off a 16-bit wire (every local rank's in the same dtype, since all see the same config).
-        ``divide_by`` (an AVG's SUM): the float32 sums are divided before rounding;
-        ``sent_divided_by``: ``shard`` is divided by it on its way into the wire dtype (a host's
-        float32 sum made its mean), or, where gloo's ring sums, by it and ``divide_by`` (its
-        share of the mean, which the ring's sum then is)."""
+        ``divide_by`` (a bfloat16 AVG's SUM): the float32 sums are divided before rounding."""
         floating = shard.dtype.is_floating_point
         wire = self.wire if shard.dtype not in LOW_PRECISION else shard.dtype
-        ring = self.nodes == 2 or not self.exact_16bit_sums  # rounds its sums once, or as the user chose
-        if divide_by is not None and sent_divided_by is not None and ring:
-            # a float32 host sum's share of the mean (sum / world size) is no larger than its
-            # largest value, so gloo's ring can add the shares in the wire dtype (below); on 2 x 2
-            # simulated hosts the exchange of _start_compressed_sum ran 1-2 MiB at 0.70-0.86x the
-            # ring in 2 of 3 runs (benchmarks/results/2026-11-26-hierarchical-fp16-avg.md)
-            on_wire = _into_wire(shard, torch.empty(shard.numel(), dtype=wire), sent_divided_by * divide_by)
-        elif divide_by is not None:
+        if divide_by is not None:
             # gloo's ring would round the sum before the division could happen; the exchange of
             # _start_compressed_sum sums in float32 on one rank per slice, which can divide first
-            return self._start_compressed_sum(shard, wire, divide_by, sent_divided_by)
-        elif op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
-            if not ring:
+            return self._start_compressed_sum(shard, shard.dtype, divide_by)
+        if op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
+            if self.nodes > 2 and self.exact_16bit_sums:
                 return self._start_compressed_sum(shard, wire)
             # two hosts: one addition per element, which gloo's own ring rounds to the wire dtype
             # once, exactly as a float32 sum rounded at the end; and its ring pipelines sending
@@ -282,19 +260,19 @@ class HierarchicalTransport(Transport):
 
         return finish
 
-    def _start_compressed_sum(self, shard: torch.Tensor, wire: torch.dtype, divide_by: int | None = None,
-                              sent_divided_by: int | None = None) -> Callable[[], torch.Tensor]:
+    def _start_compressed_sum(self, shard: torch.Tensor, wire: torch.dtype,
+                              divide_by: int | None = None) -> Callable[[], torch.Tensor]:
         """Sum ``shard`` across hosts with ``wire`` on the network and float32 arithmetic: an
         all-to-all of wire-dtype slices (started now), then each host sums one slice (and
         divides it by ``divide_by``, for an average) and the results are all-gathered (when
-        finished). ``sent_divided_by``: as _start_inter_all_reduce's."""
+        finished)."""
         N, s = self.nodes, shard.numel()
         sub = math.ceil(s / N)
-        if N * sub == s and shard.dtype == wire and sent_divided_by is None:
-            send = shard
+        if N * sub == s:
+            send = shard if shard.dtype == wire else shard.to(wire)
         else:
-            send = torch.empty(N * sub, dtype=wire) if N * sub == s else torch.zeros(N * sub, dtype=wire)
-            _into_wire(shard, send[:s], sent_divided_by)
+            send = torch.zeros(N * sub, dtype=wire)
+            send[:s].copy_(shard)
         slices = torch.empty(N * sub, dtype=wire)
         exchanged = self.inter.all_to_all_async(slices, send)  # block q: host q's values of my slice
 
@@ -312,15 +290,15 @@ class HierarchicalTransport(Transport):
         return finish
 
     def _flat_all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
-        """gloo's ring over all ranks, summing in float32 (16-bit inputs widened, as in
-        _start_inter_all_reduce) and dividing an AVG before the one rounding."""
-        wide = tensor.float() if tensor.dtype in LOW_PRECISION else tensor
-        summed_op, divide_by = as_sum(op, self.world_size)
-        self.flat.all_reduce(wide, summed_op)
-        if divide_by is not None:
-            wide.div_(divide_by)
-        if wide is not tensor:
+        if tensor.dtype in LOW_PRECISION:  # widened, as in _start_inter_all_reduce
+            wide = tensor.float()
+            summed_op, divide_by = as_sum(op, self.world_size)
+            self.flat.all_reduce(wide, summed_op)
+            if divide_by is not None:
+                wide.div_(divide_by)
             tensor.copy_(wide)
+        else:
+            self.flat.all_reduce(tensor, op)
 
     # all_gather / reduce_scatter -----------------------------------------------------------------
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -361,13 +339,13 @@ class HierarchicalTransport(Transport):
         rows[self.by_local_index] = gathered.view(self.world_size, width)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
-        # AVG (reduce_scatters_taken) is a SUM whose last, float32 step divides before rounding;
-        # each host's sum (where it crosses in float16: mean) is rounded once on the way, as in a SUM
+        # AVG (16-bit only: reduce_scatters_16_bit) is a SUM whose last, float32 step divides
+        # before rounding; each host's sum (float16: mean) is rounded once on the way, as in a SUM
         if not self._hierarchical("reduce_scatter", input.numel() * input.element_size(), input.dtype):
             op, divide_by = as_sum(op, self.world_size)
             return self.flat.reduce_scatter(output, input, op, accumulate=_float32_for_16_bit(input),
                                             divide_by=divide_by)
-        in_host, op, divide_by, host_mean = self._averaged_in_host(op, input.dtype)
+        in_host, op, divide_by = self._averaged_in_host(op, input.dtype)
         m, N = output.numel(), self.nodes
         blocks = input.view(self.world_size, m)
         # Pieces of every block, as the all_reduce's: each piece's exchange between hosts runs on
@@ -378,21 +356,19 @@ class HierarchicalTransport(Transport):
             grouped = blocks[self.by_local_index, columns].reshape(-1)  # a copy: the piece, in (L, N) order
             host_sums = torch.empty(N * (columns.stop - columns.start), dtype=input.dtype)
             self.intra.reduce_scatter(host_sums, grouped, in_host)  # my index's blocks, summed over my host
-            sent = self._reduce_scatter_wire(host_sums, op, self.per_node if host_mean else None)
+            sent = self._reduce_scatter_wire(host_sums, op)
             started.append((self.inter.reduce_scatter_async(output[columns], sent, op, divide_by=divide_by,
                                                             accumulate=_float32_for_16_bit(sent)), None))
         _end_in_start_order(started)
 
-    def _reduce_scatter_wire(self, host_sums: torch.Tensor, op: RedOp,
-                             divided_by: int | None = None) -> torch.Tensor:
+    def _reduce_scatter_wire(self, host_sums: torch.Tensor, op: RedOp) -> torch.Tensor:
         """What this rank sends between hosts in a reduce_scatter; the receiving rank reduces
         16-bit blocks in float32. A 16-bit input travels as it is (half the bytes of widening it
         first, and the same result: every 16-bit value is exact in float32). A float32 SUM
-        travels in ``SMDDP_INTER_NODE_WIRE_DTYPE`` when that is set: each host's sum rounded once
-        (divided by ``divided_by`` on the way: a host's mean), as in the all_reduce's inter-host
-        step."""
+        travels in ``SMDDP_INTER_NODE_WIRE_DTYPE`` when that is set: each host's sum rounded once,
+        as in the all_reduce's inter-host step."""
         if host_sums.dtype is torch.float32 and op is RedOp.SUM and self.wire is not None:
-            return _into_wire(host_sums, torch.empty(host_sums.numel(), dtype=self.wire), divided_by)
+            return host_sums.to(self.wire)
         return host_sums
 
     # broadcast -----------------------------------------------------------------------------------
@@ -538,13 +514,6 @@ def _end_in_start_order(started: list[tuple[Callable[[], Any], Callable[[Any], N
             then(result)
     if failure is not None:
         raise failure
-
-
-def _into_wire(values: torch.Tensor, out: torch.Tensor, divided_by: int | None) -> torch.Tensor:
-    """``values`` written into ``out`` (in the wire dtype), divided by ``divided_by`` on the way:
-    one pass, where a float32 division and then a cast take two (and 2 MiB of float32 took 0.38
-    ms that way against 0.06 here, on this project's 2-core machine)."""
-    return torch.div(values, divided_by, out=out) if divided_by else out.copy_(values)
 
 
 def _float32_for_16_bit(sent: torch.Tensor) -> torch.dtype | None:

@@ -41,8 +41,8 @@ def _signature(header: tuple[int, ...]) -> list[int]:
 class ShmTransport(Transport):
     name = "shm"
     accumulates_low_precision = True
-    reduce_scatters_taken = frozenset(LOW_PRECISION)
-    avg_all_reduces_taken = frozenset(LOW_PRECISION)
+    reduce_scatters_16_bit = frozenset(LOW_PRECISION)
+    all_reduces_16_bit_avg = frozenset(LOW_PRECISION)
     runs_inline = True
     checks_signatures = True
     shown_call: list[int] | None = None
@@ -93,7 +93,7 @@ class ShmTransport(Transport):
 
         A ``dest`` may be the very memory of one source (in-place calls). The accumulator is
         therefore a ``dest`` that no later source (index >= 2) aliases, else scratch memory.
-        AVG comes only for 16-bit floats (avg_all_reduces_taken, reduce_scatters_taken).
+        AVG comes only for 16-bit floats (all_reduces_16_bit_avg, reduce_scatters_16_bit).
         """
         numel, dtype = sources[0].numel(), sources[0].dtype
         op, divide_by = as_sum(op, self.world_size)
