@@ -1027,6 +1027,15 @@ def all_reduce_16_bit_avg(ranks_per_host: int, dtype: str = "bfloat16", numel: i
             "means_differ_from_sums_in": int((references["host_means_rounded"] != references["host_sums_rounded"]).sum())}
 
 
+def without_shared_memory(program: str, **kwargs):
+    """``program`` (a function of this module) where /dev/shm cannot serve ranks, as on non-x86
+    machines: hosts of several ranks then reduce among them with gloo (select._shm_possible)."""
+    from smddp_lite.backend.transports import select
+
+    select._shm_possible = lambda: False
+    return globals()[program](**kwargs)
+
+
 def float16_avg_of_large_values(numel: int = 1 << 18) -> dict:
     """float16 AVG all_reduce and reduce_scatter_tensor of 40000 + 64 x rank on every element:
     any two ranks' sum exceeds float16's largest value (65504), their means do not, and every

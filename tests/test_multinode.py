@@ -253,6 +253,27 @@ def test_float16_avg_between_hosts_does_not_overflow_where_a_host_sum_would(algo
     assert results == [{"all_reduce": [40096.0], "reduce_scatter": [40096.0]}] * 4, results
 
 
+def test_float16_avg_between_hosts_with_gloo_inside_hosts():
+    """Where shared memory cannot serve a host's ranks (non-x86), gloo reduces inside the host:
+    its reduce_scatter takes the float16 AVG, sums in float32 and divides by the host's ranks
+    before rounding, as shared memory does, so the results are the same bits."""
+    from . import harness
+
+    env = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_HIERARCHICAL_CHUNK_BYTES": "4096", "SMDDP_DEBUG": "1"}
+    launched = harness.launch("tests.programs:without_shared_memory", 6, env=env, hosts_of=3,
+                              program="all_reduce_16_bit_avg", ranks_per_host=3, dtype="float16", numel=100003)
+    assert "2 hosts x 3 ranks: gloo inside hosts, gloo between" in launched[0].output
+    for report in harness.values(launched):
+        assert report["host_means_rounded"] and report["means_differ_from_sums_in"] > 0, report
+    for report in harness.values(harness.launch("tests.programs:without_shared_memory", 6, env=env, hosts_of=3,
+                                                program="reduce_scatter_16_bit_sums", dtype="float16", op="AVG",
+                                                ranks_per_host=3, numel_per_rank=10007)):
+        assert report["host_means_rounded"] and not report["host_sums_rounded"], report
+    large = harness.values(harness.launch("tests.programs:without_shared_memory", 4, env=env, hosts_of=2,
+                                          program="float16_avg_of_large_values"))
+    assert large == [{"all_reduce": [40096.0], "reduce_scatter": [40096.0]}] * 4, large
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
 @pytest.mark.parametrize("op, dtype, wire, share", [
     ("reduce_scatter", "bfloat16", None, 0.5),  # 16-bit blocks cross as they are (widened: 1.0)

@@ -25,7 +25,7 @@ class Transport(abc.ABC):
     upcast before sending)."""
     reduce_scatters_16_bit: frozenset = frozenset()
     """16-bit float dtypes whose SUM and AVG reduce_scatter this transport takes as they are: it
-    sums them in float32 and divides an AVG before the single rounding into the output, so the
+    sums them in float32 and divides an AVG before its last rounding into the output, so the
     algorithms layer need not widen them to float32, which doubles the bytes moved (FSDP2 sends
     bfloat16 AVG with reduce_dtype=bfloat16, ZeRO 16-bit SUM)."""
     all_reduces_16_bit_avg: frozenset = frozenset()

@@ -57,8 +57,10 @@ def _choose(store, rank: int, world_size: int, config) -> tuple[str, str, list[s
     layered = len(topo.local) > 1 and topo.uniform
     if config.algorithm == "hierarchical" or (config.algorithm == "auto" and forced == "auto"):
         if layered:
-            inside = "shared memory" if _shm_possible() else "gloo"  # as the intra factory below chooses
-            name, reason = "hierarchical", f"{topo.describe()}: {inside} inside hosts, gloo between"
+            # the parts the intra factory below builds: none for hosts of one rank
+            inside = "" if len(topo.local[0]) == 1 else \
+                f"{'shared memory' if _shm_possible() else 'gloo'} inside hosts, "
+            name, reason = "hierarchical", f"{topo.describe()}: {inside}gloo between"
             store.set("transport", f"{name}|{reason}")
             return name, reason, hosts
         if config.algorithm == "hierarchical":
