@@ -51,3 +51,8 @@ class PeerFailureError(SMDDPError):
 class PeerRefusedError(PeerFailureError):
     """A peer refused the call this rank was waiting in (bad input on that rank); the message
     carries that rank's own error."""
+
+
+class SegmentRefusedError(SMDDPError):
+    """A rank refused the shared-memory segment that the rendezvous store named, because it is not
+    a segment this transport makes (see docs/security.md): a store value never redirects a write."""

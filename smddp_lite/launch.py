@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from datetime import timedelta
@@ -9,6 +10,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ._registration import BACKEND_NAME
+from .backend.errors import where
 
 
 def _launched_by_mpi() -> bool:
@@ -69,12 +71,18 @@ def _mpi_rendezvous(timeout: timedelta | None):
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     store_timeout = timeout or timedelta(minutes=30)
     if rank == 0:
-        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-        store = dist.TCPStore(host, 0, size, is_master=True, timeout=store_timeout, wait_for_workers=False)
-        address = (host, store.port)
+        try:
+            host = store_address(os.environ.get("MASTER_ADDR"), one_host=local.Get_size() == size)
+            store = open_store(host, size, store_timeout)
+            address = (host, store.port)
+        except (OSError, ValueError) as exc:  # every rank raises it, none waits for a store
+            address = (None, f"{where(0, size, 'init')} {exc}")
     else:
         address = None
     host, port = world.bcast(address, root=0)
+    if host is None:
+        local.Free()
+        raise RuntimeError(port if rank == 0 else f"{where(rank, size, 'init')} rank 0 opened no store: {port}")
     if rank != 0:
         store = dist.TCPStore(host, port, size, is_master=False, timeout=store_timeout)
     _MPI_ENV.clear()
@@ -83,6 +91,45 @@ def _mpi_rendezvous(timeout: timedelta | None):
     os.environ.update(_MPI_ENV)
     local.Free()
     return store, rank, size
+
+
+def store_address(master_addr: str | None, one_host: bool) -> str:
+    """The one address the rendezvous store listens on and every rank dials.
+
+    A job on one host uses loopback, reachable by no other machine; otherwise ``MASTER_ADDR`` or
+    this host's name, resolved here so that the store listens on that address alone (torch's
+    TCPStore listens on every interface; see docs/security.md)."""
+    if master_addr is None and one_host:
+        return "127.0.0.1"
+    name = master_addr or socket.gethostname()
+    try:
+        address = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror as exc:
+        raise OSError(f"cannot resolve the rendezvous host {name!r} ({exc.strerror}); set MASTER_ADDR to "
+                      "rank 0's address on the network the job uses") from None
+    if not one_host and ipaddress.ip_address(address).is_loopback:
+        raise ValueError(f"the job spans several hosts, and the rendezvous host {name!r} resolves to the loopback "
+                         f"address {address}, which the other hosts cannot reach; set MASTER_ADDR to rank 0's "
+                         "address on the network the job uses")
+    return address
+
+
+def open_store(address: str, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore server on a port the OS picks, listening on ``address`` only.
+
+    The socket is bound here and handed over (``master_listen_fd``), because TCPStore binds its
+    own to every interface."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((address, 0))
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sock.detach())  # the store owns and closes the socket
 
 
 _MPI_ENV: dict[str, str] = {}

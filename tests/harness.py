@@ -16,10 +16,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
+from smddp_lite.launch import open_store
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "worker.py"
@@ -69,7 +70,7 @@ def launch(target: str, world_size: int, *, env: dict[str, str] | None = None, t
     ranks each (SMDDP_HOSTNAME=sim-host-<rank // k>); ``interleaved_hosts=n`` deals ranks to n
     hosts in turn (sim-host-<rank % n>), so ranks are not numbered host by host.
     """
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    store = open_store("127.0.0.1", world_size, timedelta(minutes=5))  # listens on loopback only
     with tempfile.TemporaryDirectory(prefix="smddp-test-") as tmp:
         procs = []
         for rank in range(world_size):

@@ -19,6 +19,8 @@ import contextlib
 import errno
 import mmap
 import os
+import re
+import stat
 import time
 import uuid
 from datetime import timedelta
@@ -26,7 +28,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from ..errors import PeerFailureError, PeerRefusedError, where
+from ..errors import PeerFailureError, PeerRefusedError, SegmentRefusedError, where
 from ..signatures import MISMATCH_SAID, mismatch_said
 from .refusals import explained
 
@@ -61,7 +63,7 @@ class ShmSegment:
         self._reason_off = self._control_bytes
         self._data_off = _align(self._reason_off + world_size * REASON_BYTES)
         size = self._data_off + 2 * world_size * chunk_bytes
-        self._mm = _map_shared(store, rank, world_size, size, self.timeout_s)
+        self._mm, path = _map_shared(store, rank, world_size, size, self.timeout_s)
         self.control = np.frombuffer(self._mm, dtype=np.int64, count=world_size * CONTROL_WORDS)
         self.control = self.control.reshape(world_size, CONTROL_WORDS)
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
@@ -69,7 +71,28 @@ class ShmSegment:
         self.control[rank, REJECTED] = -1
         self.phase = 0
         self.op_shown = "init"  # the op this rank is in, as messages name it (the transport sets it)
+        store.add("shm/mapped", 1)
+        if rank == 0:
+            self._unlink_once_mapped(store, path)
         self.barrier()  # every pid and flag above is visible before the first collective
+
+    def _unlink_once_mapped(self, store, path: str) -> None:
+        """Rank 0 removes the segment's name as soon as every rank has mapped it, so nothing is left
+        in /dev/shm even if the job is killed later. A rank that refused the published name, or
+        ranks that never map it, break the segment, so ranks that did map it raise too."""
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while int(store.add("shm/mapped", 0)) < self.world_size:
+                if store.check([_REFUSED_KEY]):
+                    said = store.get(_REFUSED_KEY).decode(errors="replace")
+                    self.mark_broken(f"a rank refused the segment: {said}")
+                    raise SegmentRefusedError(f"{where(0, self.world_size, 'init')} {said}")
+                if time.monotonic() > deadline:
+                    self._fail(f"not every rank mapped the shared-memory segment within {self.timeout_s:.0f} s; "
+                               "set SMDDP_TRANSPORT=gloo if the ranks do not share /dev/shm")
+                time.sleep(0.001)
+        finally:
+            os.unlink(path)
 
     # data ------------------------------------------------------------------------------------
     def slot(self, step: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -251,38 +274,84 @@ def _reserve(fd: int, path: str, size: int, rank: int, world_size: int, store) -
         raise OSError(exc.errno, f"{where(rank, world_size, 'init')} {message}") from None
 
 
-def _map_shared(store, rank: int, world_size: int, size: int, timeout_s: float) -> mmap.mmap:
-    """Rank 0 creates the segment and every rank maps it; the file is unlinked as soon as all have
-    mapped it, so nothing is left in /dev/shm even if the job is killed."""
+SHM_DIR = "/dev/shm"
+_SEGMENT_NAME = re.compile(r"smddp-[0-9]{1,10}-[0-9a-f]{12}")
+_REFUSED_KEY = "shm/refused"
+
+
+def _segment_name() -> str:
+    """A fresh name that ``_SEGMENT_NAME`` accepts: rank 0's pid and 48 random bits."""
+    return f"smddp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _map_shared(store, rank: int, world_size: int, size: int, timeout_s: float) -> tuple[mmap.mmap, str]:
+    """Rank 0 creates the segment and publishes its name; every other rank opens what was
+    published only after checking it is such a segment. Returns the mapping and the path."""
     if rank == 0:
-        path = f"/dev/shm/smddp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        name = _segment_name()
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             _reserve(fd, path, size, rank, world_size, store)
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         store.set("shm/path", path)
-    else:
-        path = store.get("shm/path").decode()
-        if path.startswith(_FAILED):  # rank 0 could not make the segment: its error, on every rank
-            raise OSError(errno.ENOSPC, f"{where(rank, world_size, 'init')} {path[len(_FAILED):]}")
-        fd = os.open(path, os.O_RDWR)
-        try:
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-    store.add("shm/mapped", 1)
-    if rank == 0:
-        deadline = time.monotonic() + timeout_s
-        while int(store.add("shm/mapped", 0)) < world_size:
-            if time.monotonic() > deadline:
-                os.unlink(path)
-                raise PeerFailureError(
-                    f"{where(rank, world_size, 'init')} not every rank mapped the shared-memory "
-                    f"segment within {timeout_s:.0f} s; set SMDDP_TRANSPORT=gloo if the ranks do not "
-                    "share /dev/shm"
-                )
-            time.sleep(0.001)
-        os.unlink(path)
-    return mm
+        return mm, path
+    path = store.get("shm/path").decode(errors="replace")
+    if path.startswith(_FAILED):  # rank 0 could not make the segment: its error, on every rank
+        raise OSError(errno.ENOSPC, f"{where(rank, world_size, 'init')} {path[len(_FAILED):]}")
+    try:
+        fd = _open_published(path, size)
+    except SegmentRefusedError as exc:
+        message = f"{where(rank, world_size, 'init')} {exc}"
+        store.set(_REFUSED_KEY, f"rank {rank}: {exc}")  # rank 0 hears of it instead of waiting
+        raise SegmentRefusedError(message) from None
+    try:
+        return mmap.mmap(fd, size), path
+    finally:
+        os.close(fd)
+
+
+def _open_published(path: str, size: int) -> int:
+    """Open, read-write, the segment rank 0 published as ``path``, refusing anything else.
+
+    Anyone who can reach the rendezvous store can write this value, so it is trusted only as far
+    as it names a segment this transport could have made: a name of ``_SEGMENT_NAME``'s pattern
+    directly in /dev/shm, not a link (O_NOFOLLOW), a regular file with one link, owned by this
+    user, mode 0600, exactly ``size`` bytes. Nothing outside such files is ever opened for
+    writing, so a store value cannot make a rank write into another file."""
+    directory, name = os.path.split(path)
+    if directory != SHM_DIR or not _SEGMENT_NAME.fullmatch(name):
+        raise SegmentRefusedError(
+            f"refused the shared-memory segment path {path!r} from the rendezvous store: expected "
+            f"{SHM_DIR}/smddp-<pid>-<12 hex digits>, as rank 0 makes it. Something other than this "
+            "job's rank 0 wrote that key; check who can reach the store (MASTER_ADDR:MASTER_PORT), "
+            "or set SMDDP_TRANSPORT=gloo")
+    dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        # O_NONBLOCK: a FIFO or device planted under that name must not block the open
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise SegmentRefusedError(
+            f"the shared-memory segment {path!r} named by the rendezvous store does not exist: rank 0 "
+            "may have failed, or the ranks do not share /dev/shm (set SMDDP_TRANSPORT=gloo then)") from None
+    except OSError as exc:
+        raise SegmentRefusedError(
+            f"refused the shared-memory segment {path!r} from the rendezvous store: it cannot be opened "
+            f"as a plain file ({exc.strerror}); a link or special file there is not one rank 0 made") from None
+    finally:
+        os.close(dir_fd)
+    found = os.fstat(fd)
+    expected = dict(kind="a regular file", links=1, owner=os.geteuid(), mode="0o600", size=size)
+    seen = dict(kind="a regular file" if stat.S_ISREG(found.st_mode) else "not a regular file",
+                links=found.st_nlink, owner=found.st_uid, mode=oct(stat.S_IMODE(found.st_mode)),
+                size=found.st_size)
+    if seen != expected:
+        os.close(fd)
+        wrong = ", ".join(f"{k} {seen[k]} (expected {expected[k]})" for k in expected if seen[k] != expected[k])
+        raise SegmentRefusedError(
+            f"refused the shared-memory segment {path!r} from the rendezvous store: {wrong}. Rank 0 "
+            "makes it as a fresh regular file of this user with mode 0600 and exactly the segment's size; "
+            "something else wrote that key or made that file")
+    return fd
