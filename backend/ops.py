@@ -125,7 +125,7 @@ def from_torch(reduce_op: object) -> RedOp:
 
 Factor = float | torch.Tensor  # a PREMUL_SUM's: a number, or a one-element tensor
 # Whether a PREMUL_SUM's factor reaches Python: older torch keeps it in C++, where only its own
-# backends see it (torch 2.11 on the GPU machine of 2026-11-26 did)
+# backends see it (torch 2.11 does)
 FACTOR_READABLE = hasattr(dist.ReduceOp, "factor")
 
 

@@ -162,7 +162,7 @@ def _own_client(store):
     and three ranks linking in a ring each waited on the next (a hang, seen at world size 3)."""
     try:
         return store.clone()
-    except Exception:  # stores without clone (a custom one): shared, as before
+    except Exception:  # stores without clone (a custom one): shared
         return store
 
 

@@ -261,7 +261,7 @@ def _reserve(fd: int, path: str, size: int, rank: int, world_size: int, store) -
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EFBIG):  # a file system that cannot reserve: as before
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG):  # a file system that cannot reserve: pages come on first write
             return
         os.unlink(path)
         stats = os.statvfs("/dev/shm")
