@@ -22,6 +22,8 @@ from typing import Any
 
 from smddp_lite.launch import open_store
 
+from .rank_pool import POOL
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "worker.py"
 
@@ -36,7 +38,9 @@ class RankResult:
 
 
 def _base_env(extra: dict[str, str] | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMDDP_", "TORCHELASTIC_"))}
+    # PYTEST_CURRENT_TEST changes with every test, and ranks have no use for it
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SMDDP_", "TORCHELASTIC_")) and k != "PYTEST_CURRENT_TEST"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
@@ -61,7 +65,7 @@ def _collect(procs, result_dir: Path, timeout: float) -> list[RankResult]:
 
 
 def launch(target: str, world_size: int, *, env: dict[str, str] | None = None, timeout: float = 180,
-           rendezvous: bool = True, hosts_of: int = 0, interleaved_hosts: int = 0,
+           rendezvous: bool = True, hosts_of: int = 0, interleaved_hosts: int = 0, pooled: bool = True,
            **kwargs: Any) -> list[RankResult]:
     """Run ``target`` ("module:function") on ``world_size`` local ranks; returns one result per rank.
 
@@ -69,26 +73,38 @@ def launch(target: str, world_size: int, *, env: dict[str, str] | None = None, t
     TEST_WORLD_SIZE), for tests of explicit init methods. ``hosts_of=k`` simulates hosts of k
     ranks each (SMDDP_HOSTNAME=sim-host-<rank // k>); ``interleaved_hosts=n`` deals ranks to n
     hosts in turn (sim-host-<rank % n>), so ranks are not numbered host by host.
+    ``pooled=False`` starts fresh processes, for tests of start-up or exit; otherwise ranks come
+    from rank_pool.POOL where the environment allows it (see ``RankPool.takes``).
     """
     store = open_store("127.0.0.1", world_size, timedelta(minutes=5))  # listens on loopback only
+    rank_envs = []
+    for rank in range(world_size):
+        rank_env = dict(env or {}, TEST_RANK=str(rank), TEST_WORLD_SIZE=str(world_size))
+        if hosts_of:
+            rank_env["SMDDP_HOSTNAME"] = f"sim-host-{rank // hosts_of}"
+        if interleaved_hosts:
+            rank_env["SMDDP_HOSTNAME"] = f"sim-host-{rank % interleaved_hosts}"
+        if rendezvous:
+            rank_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+        rank_envs.append(rank_env)
     with tempfile.TemporaryDirectory(prefix="smddp-test-") as tmp:
-        procs = []
-        for rank in range(world_size):
-            rank_env = _base_env(env)
-            rank_env.update(TEST_RANK=str(rank), TEST_WORLD_SIZE=str(world_size))
-            if hosts_of:
-                rank_env["SMDDP_HOSTNAME"] = f"sim-host-{rank // hosts_of}"
-            if interleaved_hosts:
-                rank_env["SMDDP_HOSTNAME"] = f"sim-host-{rank % interleaved_hosts}"
-            if rendezvous:
-                rank_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                                MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), target, json.dumps(kwargs), tmp],
-                env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-            ))
-        results = _collect(procs, Path(tmp), timeout)
+        if pooled and POOL.takes(env or {}):
+            outcomes = POOL.run(target, kwargs, rank_envs, _base_env(None), ROOT, Path(tmp), timeout)
+            results = []
+            for rank, (returncode, output, note) in enumerate(outcomes):
+                path = Path(tmp) / f"rank{rank}.json"
+                data = json.loads(path.read_text()) if path.exists() and note is None else {}
+                output = output + ("\n" + note if note else "")
+                results.append(RankResult(rank, -9 if returncode is None else returncode, data.get("value"),
+                                          data.get("error"), output))
+        else:
+            procs = [subprocess.Popen([sys.executable, str(WORKER), target, json.dumps(kwargs), tmp],
+                                      env=_base_env(rank_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, cwd=ROOT)
+                     for rank_env in rank_envs]
+            results = _collect(procs, Path(tmp), timeout)
     del store
     return results
 

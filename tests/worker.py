@@ -2,6 +2,12 @@
 
 Writes ``RESULT_DIR/rank<R>.json`` with the function's return value or the exception it raised,
 then exits without running interpreter teardown, so a broken process group cannot hang the exit.
+
+``python tests/worker.py --serve`` is a pooled rank (rank_pool.py): it imports torch once and
+runs one job per line of standard input, each with its own environment, store and output file.
+It answers ``done`` where a one-shot worker would exit, then waits for ``clean`` (every rank is
+done: clean up for the next job) or ``exit``, and answers ``reuse`` when the job left nothing
+behind, or ``retire`` and exits when it may have left state a later job could see.
 """
 
 import ctypes
@@ -9,6 +15,7 @@ import importlib
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -47,15 +54,19 @@ def _exit_after_mpi(rank: int) -> None:
     ctypes.CDLL(None).exit(0)
 
 
+def run(target: str, kwargs: dict) -> dict:
+    """``module:function(**kwargs)``: its return value, or the exception it raised, formatted."""
+    module, function = target.split(":")
+    try:
+        return {"value": getattr(importlib.import_module(module), function)(**kwargs)}
+    except BaseException:  # reported to the test, which decides
+        return {"error": traceback.format_exc()}
+
+
 def main() -> None:
     target, kwargs, result_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     rank = _rank()
-    module, function = target.split(":")
-    try:
-        value = getattr(importlib.import_module(module), function)(**kwargs)
-        result = {"value": value}
-    except BaseException:  # reported to the test, which decides
-        result = {"error": traceback.format_exc()}
+    result = run(target, kwargs)
     (result_dir / f"rank{rank}.json").write_text(json.dumps(result))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -64,5 +75,92 @@ def main() -> None:
     os._exit(0)
 
 
+# torch packages that keep process groups in caches of their own across init and destroy: DTensor
+# and DeviceMesh resolve a later job's groups by a stale name ("Could not resolve the process
+# group registered under the name 4"); a job that imported any of them is not followed by another
+_KEEP_STATE = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed._composable",
+               "torch.distributed.pipelining", "torch.distributed.checkpoint")
+
+
+def _left_clean(threads_before: set) -> bool:
+    """Whether a finished job left this process as a fresh one would be for the next: its
+    process groups destroyed, torch's group numbering back at 0, no thread of the job's still
+    running, MPI never started, no package that caches groups imported."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if dist.is_initialized():
+        destroyed = []
+
+        def destroy():
+            try:
+                dist.destroy_process_group()
+                destroyed.append(True)
+            except BaseException:  # a broken group: this process is not reused
+                pass
+
+        # a broken group's destroy can wait on peers that are gone; a fresh process would not
+        # have waited at all, so a slow destroy retires this one instead
+        cleaner = threading.Thread(target=destroy, daemon=True)
+        cleaner.start()
+        cleaner.join(1.0)
+        if not destroyed:
+            return False
+        threads_before = threads_before | {cleaner}
+    if distributed_c10d._world.group_count != 0 or "mpi4py.MPI" in sys.modules:  # a failed init counts groups
+        return False
+    if any(name in sys.modules for name in _KEEP_STATE):
+        return False
+    deadline = time.monotonic() + 1.0  # threads a destroyed group stopped may take a moment to end
+    while any(t.is_alive() for t in threading.enumerate() if t not in threads_before):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def serve() -> None:
+    """Run jobs from standard input until it closes; see the module docstring."""
+    import torch  # noqa: F401 - what pooling saves: every job after the first finds it imported
+    import torch.distributed  # noqa: F401
+
+    control = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # between jobs nothing but the control lines reaches the pool
+    base_env = dict(os.environ)
+    for line in sys.stdin:
+        job = json.loads(line)
+        os.environ.clear()
+        os.environ.update(base_env)
+        os.environ.update(job["env"])
+        result_dir = Path(job["result_dir"])
+        rank = int(job["env"]["TEST_RANK"])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        out = os.open(result_dir / f"rank{rank}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        threads_before = set(threading.enumerate())
+        result = run(job["target"], job["kwargs"])
+        (result_dir / f"rank{rank}.json").write_text(json.dumps(result))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # where a one-shot worker would exit; the pool says whether to clean up (every rank is
+        # done) or to exit as that worker would (peers still wait, and a live rank holds them)
+        control.write("done\n")
+        control.flush()
+        clean = sys.stdin.readline().strip() == "clean" and "value" in result and _left_clean(threads_before)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+        control.write("reuse\n" if clean else "retire\n")
+        control.flush()
+        if not clean:
+            os._exit(0)
+
+
 if __name__ == "__main__":
-    main()
+    serve() if sys.argv[1:] == ["--serve"] else main()
