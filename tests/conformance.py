@@ -10,6 +10,7 @@ tensors (expectations are still computed on the CPU).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Iterator
 
@@ -39,34 +40,56 @@ def empty(shape, dtype) -> torch.Tensor:
 
 
 def seeded(shape, rank: int, dtype: torch.dtype, redop: str = "sum") -> torch.Tensor:
-    """Rank ``rank``'s input: small integers chosen so that the reduction ``redop`` stays exact."""
-    i = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.int64).view(shape)
-    if dtype is torch.bool:
+    """Rank ``rank``'s input: small integers chosen so that the reduction ``redop`` stays exact.
+    A fresh tensor each call (cases write into their inputs)."""
+    values = _values(_numel(shape), rank, _kind(dtype, redop)).view(shape)
+    return values.clone() if dtype is values.dtype else values.to(dtype)
+
+
+def _numel(shape) -> int:
+    return int(torch.tensor(shape).prod())
+
+
+def _kind(dtype: torch.dtype, redop: str) -> str:
+    return "bool" if dtype is torch.bool else redop if redop in ("product", "avg") else "small"
+
+
+# Inputs and expectations are kept per process: computing them in int64 and float64 for every
+# case took 7 of the 10 s a one-rank run of the suite takes, most of it for the 1823 x 781 shape.
+@functools.lru_cache(maxsize=None)
+def _values(numel: int, rank: int, kind: str) -> torch.Tensor:
+    """The int64 (or bool) values of ``seeded``, flat."""
+    i = torch.arange(numel, dtype=torch.int64)
+    if kind == "bool":
         return (i + rank) % 3 == 0
-    if redop == "product":
-        values = (i + rank) % 2 + 1  # 1 or 2: products <= 2**world_size, exact everywhere
-    elif redop == "avg":
-        values = (i * 7) % 11 + 2 * rank  # the sum is a multiple of the world size: the mean is exact
-    else:
-        values = (i * 7 + rank * 3) % 11 + 1  # 1..11: sums <= 11 * world_size, exact in bfloat16
-    return values.to(dtype)
+    if kind == "product":
+        return (i + rank) % 2 + 1  # 1 or 2: products <= 2**world_size, exact everywhere
+    if kind == "avg":
+        return (i * 7) % 11 + 2 * rank  # the sum is a multiple of the world size: the mean is exact
+    return (i * 7 + rank * 3) % 11 + 1  # 1..11: sums <= 11 * world_size, exact in bfloat16
+
+
+_COMBINE = {"sum": torch.add, "avg": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum,
+            "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+
+
+@functools.lru_cache(maxsize=None)
+def _reduced(numel: int, ranks: tuple[int, ...], redop: str) -> torch.Tensor:
+    """``redop`` over the ranks' int64 inputs, flat: exact, as the values are small integers
+    that every dtype holds. AVG is the float64 mean."""
+    result = _values(numel, ranks[0], _kind(torch.int64, redop)).clone()
+    for r in ranks[1:]:
+        result = _COMBINE[redop](result, _values(numel, r, _kind(torch.int64, redop)))
+    return result.to(torch.float64) / len(ranks) if redop == "avg" else result
 
 
 def expected_reduction(shape, dtype, redop: str, ranks) -> torch.Tensor:
-    inputs = [seeded(shape, r, dtype, redop) for r in ranks]
+    ranks = tuple(ranks)
     if dtype is torch.bool:
-        stacked = torch.stack(inputs)
+        stacked = torch.stack([seeded(shape, r, dtype, redop) for r in ranks])
         return stacked.all(0) if redop in ("min", "product", "band") else (
             stacked.sum(0) % 2 == 1 if redop == "bxor" else stacked.any(0))
-    wide = [t.to(torch.float64 if dtype in FLOATS else torch.int64) for t in inputs]
-    result = wide[0].clone()
-    for t in wide[1:]:
-        result = {"sum": torch.add, "avg": torch.add, "product": torch.mul, "min": torch.minimum,
-                  "max": torch.maximum, "band": torch.bitwise_and, "bor": torch.bitwise_or,
-                  "bxor": torch.bitwise_xor}[redop](result, t)
-    if redop == "avg":
-        result = result / len(inputs)
-    return result.to(dtype)
+    return _reduced(_numel(shape), ranks, redop).view(shape).to(dtype, copy=True)
 
 
 def applicable(redop: str, dtype: torch.dtype) -> bool:

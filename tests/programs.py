@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -318,10 +319,14 @@ def peer_stuck() -> dict:
     """Rank 1 never calls the collective; rank 0 raises once the group's 3 s timeout passes."""
     smddp_lite.init(timeout=timedelta(seconds=3))
     dist.barrier()
-    if dist.get_rank() == 1:
-        time.sleep(12)
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:  # alive, and out of the call, until rank 0 has raised (12 s at most)
+        with contextlib.suppress(dist.DistStoreError):
+            store.wait(["peer_stuck/raised"], timedelta(seconds=12))
         os._exit(0)
-    return _error_of(lambda: dist.all_reduce(torch.ones(1000)))
+    error = _error_of(lambda: dist.all_reduce(torch.ones(1000)))
+    store.set("peer_stuck/raised", "1")
+    return error
 
 
 def ddp_peer_dies(die_after_forward: int = 2, device: str = "cpu") -> dict:
