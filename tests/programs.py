@@ -1037,8 +1037,12 @@ def without_shared_memory(program: str, **kwargs):
     machines: hosts of several ranks then reduce among them with gloo (select._shm_possible)."""
     from smddp_lite.backend.transports import select
 
+    possible = select._shm_possible
     select._shm_possible = lambda: False
-    return globals()[program](**kwargs)
+    try:
+        return globals()[program](**kwargs)
+    finally:
+        select._shm_possible = possible
 
 
 def float16_avg_of_large_values(numel: int = 1 << 18) -> dict:

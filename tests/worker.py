@@ -82,6 +82,19 @@ _KEEP_STATE = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.dist
                "torch.distributed.pipelining", "torch.distributed.checkpoint")
 
 
+def _bindings() -> dict[str, dict[str, int]]:
+    """What each loaded module of this project and of the tests names: a job that rebinds one
+    (a program that patches ``select._shm_possible``, say) leaves the next job another library."""
+    return {name: {k: id(v) for k, v in vars(module).items()}
+            for name, module in list(sys.modules.items())
+            if module is not None and name.startswith(("smddp_lite", "tests"))}
+
+
+def _rebound(before: dict[str, dict[str, int]]) -> bool:
+    after = _bindings()
+    return any(after[name] != names for name, names in before.items() if name in after)
+
+
 def _left_clean(threads_before: set) -> bool:
     """Whether a finished job left this process as a fresh one would be for the next: its
     process groups destroyed, torch's group numbering back at 0, no thread of the job's still
@@ -141,7 +154,7 @@ def serve() -> None:
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.close(out)
-        threads_before = set(threading.enumerate())
+        threads_before, bindings = set(threading.enumerate()), _bindings()
         result = run(job["target"], job["kwargs"])
         (result_dir / f"rank{rank}.json").write_text(json.dumps(result))
         sys.stdout.flush()
@@ -150,7 +163,8 @@ def serve() -> None:
         # done) or to exit as that worker would (peers still wait, and a live rank holds them)
         control.write("done\n")
         control.flush()
-        clean = sys.stdin.readline().strip() == "clean" and "value" in result and _left_clean(threads_before)
+        clean = (sys.stdin.readline().strip() == "clean" and "value" in result and _left_clean(threads_before)
+                 and not _rebound(bindings))
         sys.stdout.flush()
         sys.stderr.flush()
         for fd, old in zip((1, 2), saved):
