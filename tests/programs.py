@@ -239,6 +239,17 @@ REFUSED_CALLS = {  # kind: (the call every other rank makes, the call the refusi
 }
 
 
+def _stay_until_peers_report(store, peers) -> None:
+    """Keep this rank alive until each of ``peers`` set ``test-reported/<rank>``: the peers must
+    learn of this rank's refusal from the group, not from its sockets closing as it exits.
+    Polls: a blocking ``wait`` would hold the store client, which the communication thread
+    needs to post the refusal (a TCPStore client serves one request at a time)."""
+    keys = [f"test-reported/{r}" for r in peers]
+    deadline = time.monotonic() + 60
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def one_rank_refuses(retry: bool = False, kind: str = "dtype") -> dict:
     """The last rank makes a call the backend refuses (``REFUSED_CALLS[kind]``) while the others
     wait inside theirs (after a call that works, so each transport is past its first, lazily
@@ -262,9 +273,9 @@ def one_rank_refuses(retry: bool = False, kind: str = "dtype") -> dict:
     if rank == refuser:
         if retry:
             error["retry"] = _error_of(lambda: dist.all_reduce(torch.ones(3)))
-        # stay alive: the others must not learn of the refusal only when this process exits and
-        # its sockets close
-        time.sleep(5)
+        _stay_until_peers_report(store, range(refuser))
+    else:
+        store.set(f"test-reported/{rank}", "1")
     return error
 
 
@@ -287,9 +298,12 @@ def rooted_call_refused(op: str = "broadcast") -> dict:
     if report["type"] is None:
         report = _error_of(lambda: dist.all_reduce(torch.ones(3)))
     report["seconds"] = time.monotonic() - started
+    store = dist.distributed_c10d._get_default_store()
     if rank == world - 1:
         report["next"] = _error_of(lambda: dist.all_reduce(torch.ones(3)))["message"]
-        time.sleep(3)  # stay alive: the others must hear of it from the store, not from a closed socket
+        _stay_until_peers_report(store, range(world - 1))
+    else:
+        store.set(f"test-reported/{rank}", "1")
     return report
 
 
@@ -1459,8 +1473,9 @@ def interrupted_call() -> dict:
 
     smddp_lite.init(timeout=timedelta(seconds=30))
     dist.barrier()
-    if dist.get_rank() == 1:
-        time.sleep(6)
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:  # alive, and never joining, until rank 0 has its answers
+        _stay_until_peers_report(store, [0])
         os._exit(0)
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
     start = time.monotonic()
@@ -1469,8 +1484,10 @@ def interrupted_call() -> dict:
         raised = None
     except BaseException as exc:  # noqa: BLE001 (KeyboardInterrupt is what is looked for)
         raised = type(exc).__name__
-    return {"raised": raised, "seconds": time.monotonic() - start,
-            "next_call": _error_of(lambda: dist.all_reduce(torch.ones(10)))}
+    report = {"raised": raised, "seconds": time.monotonic() - start,
+              "next_call": _error_of(lambda: dist.all_reduce(torch.ones(10)))}
+    store.set("test-reported/0", "1")
+    return report
 
 
 def routes_under_auto() -> dict:

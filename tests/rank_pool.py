@@ -4,15 +4,19 @@ importing torch on every rank (about 2.4 s of CPU per rank on the 2-core CI mach
 A pooled rank (``worker.py --serve``) runs one job at a time with the job's own environment,
 store and output file, and is handed back only when the job left it as a fresh process would be
 (process groups destroyed, no thread of the job's still running, MPI never started). Any other
-outcome (an exception, a broken group, a kill, a timeout) retires it, and a fresh one takes its
-place. Ranks are interchangeable: a job of n ranks takes any n idle ones.
+outcome (an exception, a broken group, a kill, a timeout) retires it. New ranks are forked from
+a zygote (``worker.py --zygote``) that imported torch once, so a retired rank's place is filled
+in milliseconds. Ranks are interchangeable: a job of n ranks takes any n idle ones.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import os
 import selectors
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +24,7 @@ import time
 from pathlib import Path
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
-KEEP_IDLE = 4  # the largest world size most tests use; more are started as jobs need them
+KEEP_IDLE = 8  # the most finished ranks kept for later jobs (the largest world size tests use)
 _GRACE_S = 0.5  # how long a finished rank waits for its peers before it is let go (exits)
 _CLEAN_S = 10.0  # how long clean-up (destroying the job's groups) may take
 
@@ -31,12 +35,92 @@ PER_JOB_PREFIXES = ("SMDDP_", "TEST_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCA
                     "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 
 
-class _Rank:
+class _Zygote:
+    """The process every pooled rank is forked from, and the only one that can reap them: it
+    reports each rank's exit code, which ``_ForkedProcess.wait`` returns."""
+
     def __init__(self, env: dict[str, str], cwd: Path) -> None:
+        self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), "--zygote", str(theirs.fileno())], env=env,
+                                     cwd=cwd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+                                     pass_fds=[theirs.fileno()])
+        theirs.close()
+        self._exits: dict[int, int] = {}
+
+    def fork(self, log) -> _ForkedProcess:
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        try:
+            socket.send_fds(self._socket, [b"spawn"], [stdin_r, stdout_w, log.fileno()])
+        finally:
+            os.close(stdin_r)
+            os.close(stdout_w)
+        while True:
+            word, pid = self._receive(block=True)
+            if word == "pid":
+                return _ForkedProcess(self, pid, os.fdopen(stdin_w, "w"), os.fdopen(stdout_r, "r"))
+
+    def _receive(self, block: bool) -> tuple[str, int] | tuple[None, None]:
+        """The next message, ``(word, pid)``, or (None, None) where ``block`` is false and none is
+        waiting. Exits are recorded as they pass."""
+        try:
+            message = self._socket.recv(64, 0 if block else socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None, None
+        if not message:
+            raise RuntimeError(f"the test rank zygote ended; what it printed:\n{self.printed()}")
+        word, pid, *code = message.decode().split()
+        if word == "exit":
+            self._exits[int(pid)] = int(code[0])
+        return word, int(pid)
+
+    def exit_code(self, pid: int, block: bool) -> int | None:
+        """The rank's exit code, or None where it has not ended (and ``block`` is false)."""
+        while pid not in self._exits:
+            if self._receive(block) == (None, None):
+                return None
+        return self._exits[pid]
+
+    def printed(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def close(self) -> None:
+        self._socket.close()  # the zygote exits when it reads the end
+        self.proc.wait()
+        self.log.close()
+
+
+class _ForkedProcess:
+    """The part of ``subprocess.Popen`` the pool uses, for a rank the zygote forked."""
+
+    def __init__(self, zygote: _Zygote, pid: int, stdin, stdout) -> None:
+        self._zygote, self.pid, self.stdin, self.stdout = zygote, pid, stdin, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, block=False)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, block=True)
+        self.stdin.close()
+        self.stdout.close()
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:  # not yet reaped, so the pid is still this rank's
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class _Rank:
+    def __init__(self, zygote: _Zygote) -> None:
         # what a rank prints outside jobs (an import that failed, say), shown if it dies there
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in kill/close
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), "--serve"], env=env, cwd=cwd, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.proc = zygote.fork(self.log)
 
     def printed(self) -> str:
         self.log.seek(0)
@@ -59,6 +143,7 @@ class _Rank:
 class RankPool:
     def __init__(self) -> None:
         self._idle: list[_Rank] = []
+        self._zygote: _Zygote | None = None
         self._spawn_env: dict[str, str] | None = None
         self._cwd: Path | None = None
         atexit.register(self.close)
@@ -73,11 +158,12 @@ class RankPool:
         """Run one job on ``len(rank_envs)`` pooled ranks. Returns per rank (returncode, output,
         note): 0 where the rank finished, its exit status where it died, None where it was
         killed at ``timeout``; note says why it was killed."""
-        if self._spawn_env != base_env or self._cwd != cwd:  # ranks started for another base
+        if self._zygote is None or self._spawn_env != base_env or self._cwd != cwd:  # started for another base
             self.close()
             self._spawn_env, self._cwd = dict(base_env), cwd
+            self._zygote = _Zygote(base_env, cwd)
         self._idle = [rank for rank in self._idle if rank.proc.poll() is None]
-        ranks = [self._idle.pop(0) if self._idle else _Rank(base_env, cwd) for _ in rank_envs]
+        ranks = [self._idle.pop(0) if self._idle else _Rank(self._zygote) for _ in rank_envs]
         for rank, env in zip(ranks, rank_envs):
             rank.start({"target": target, "kwargs": kwargs, "env": env, "result_dir": str(result_dir)})
         finished = self._finish(ranks, timeout)
@@ -86,7 +172,7 @@ class RankPool:
             out = result_dir / f"rank{index}.out"
             output = out.read_text(errors="replace") if out.exists() else ""
             if state == "reuse":
-                self._idle.insert(0, rank)  # warm: taken before ranks still starting
+                self._idle.insert(0, rank)
                 outcomes.append((0, output, None))
                 continue
             if state == "timeout":
@@ -99,8 +185,10 @@ class RankPool:
             rank.log.close()
             # a rank that finished and was then let go (or stopped) ended as a one-shot worker does
             outcomes.append((0 if state in ("done", "retire") and status in (0, -9) else status, output, None))
-        while len(self._idle) < KEEP_IDLE:  # start the next job's ranks while this test checks
-            self._idle.append(_Rank(base_env, cwd))
+        for rank in self._idle[KEEP_IDLE:]:
+            rank.proc.stdin.close()  # its serve loop ends
+            rank.kill()
+        del self._idle[KEEP_IDLE:]
         return outcomes
 
     @staticmethod
@@ -159,6 +247,9 @@ class RankPool:
             rank.proc.stdin.close()
             rank.kill()
         self._idle.clear()
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
 
 
 POOL = RankPool()

@@ -8,12 +8,19 @@ runs one job per line of standard input, each with its own environment, store an
 It answers ``done`` where a one-shot worker would exit, then waits for ``clean`` (every rank is
 done: clean up for the next job) or ``exit``, and answers ``reuse`` when the job left nothing
 behind, or ``retire`` and exits when it may have left state a later job could see.
+
+``python tests/worker.py --zygote FD`` imports torch and this project once and then only forks:
+each request on the socket FD carries the new rank's standard input, output and error, and the
+child becomes a pooled rank. A rank retired after a failed job is replaced in milliseconds
+instead of the seconds a new interpreter takes to import torch.
 """
 
 import ctypes
 import importlib
 import json
 import os
+import select
+import socket
 import sys
 import threading
 import time
@@ -176,5 +183,55 @@ def serve() -> None:
             os._exit(0)
 
 
+def zygote(control_fd: int) -> None:
+    """Fork pooled ranks on request; report each one's end. Messages on the control socket
+    (SOCK_SEQPACKET): in, ``spawn`` with three file descriptors (the rank's stdin, stdout and
+    stderr); out, ``pid <pid>`` for each spawn and ``exit <pid> <code>`` when a rank ends, its
+    code as subprocess gives it (negative: the signal that killed it)."""
+    import torch  # noqa: F401 - what every forked rank finds imported
+    import torch.distributed  # noqa: F401
+
+    import smddp_lite  # noqa: F401
+
+    control = socket.socket(fileno=control_fd)
+    while True:
+        # only this thread runs here, so a fork copies no lock held by another
+        readable, _, _ = select.select([control], [], [], 0.01)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            control.send(f"exit {pid} {os.waitstatus_to_exitcode(status)}".encode())
+        if not readable:
+            continue
+        message, fds, _, _ = socket.recv_fds(control, 64, 3)
+        if not message:  # the pool closed its end: the test session is over
+            os._exit(0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                control.close()
+                for target, fd in enumerate(fds):
+                    os.dup2(fd, target)
+                    os.close(fd)
+                sys.argv = [str(Path(__file__).resolve()), "--serve"]
+                serve()
+            except BaseException:
+                traceback.print_exc()
+                sys.stderr.flush()
+                os._exit(1)
+            os._exit(0)
+        for fd in fds:
+            os.close(fd)
+        control.send(f"pid {pid}".encode())
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--zygote"]:
+        zygote(int(sys.argv[2]))
     serve() if sys.argv[1:] == ["--serve"] else main()
