@@ -25,6 +25,16 @@ _BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
             RedOp.MIN: RedOp.MIN, RedOp.PRODUCT: RedOp.MIN, RedOp.BAND: RedOp.MIN, RedOp.BXOR: RedOp.BXOR}
 
 
+PIECES_MIN_BYTES = 64 << 10
+"""From this size a 16-bit SUM or AVG all_reduce on a transport that cannot sum 16-bit floats in
+float32 itself (gloo, MPI) moves its pieces in 16 bits (``Collectives._sum_in_pieces``) instead
+of widening the whole message to float32, which sends twice the bytes. Below it the message is
+waiting on latency, and one widened call beats the two calls of the exchange."""
+
+PIECES_ROUND_BYTES = 4 << 20
+"""A larger 16-bit message is summed in pieces this size after another: on 2 simulated hosts at
+1 Gbit/s one round of 16 MiB took 1.45x the time of four rounds of 4 MiB."""
+
 # said by mismatches every rank finds in one gathered table, before any data moves
 _STILL_USABLE = "Every rank raised this before any data moved; the group can still be used."
 
@@ -172,6 +182,44 @@ class Collectives:
 
         return wire, wire_op, finish
 
+    def _sums_in_pieces(self, flat: torch.Tensor, op: RedOp) -> bool:
+        return (flat.dtype in LOW_PRECISION and op in (RedOp.SUM, RedOp.AVG) and self.world_size > 1
+                and not self.transport.accumulates_low_precision
+                and flat.numel() * flat.element_size() >= PIECES_MIN_BYTES)
+
+    def _sum_in_pieces(self, flat: torch.Tensor, op: RedOp) -> None:
+        """A 16-bit SUM or AVG all_reduce whose bytes all travel in 16 bits and whose arithmetic is
+        float32: an all_to_all gives each rank every rank's values of one share of the message,
+        which it sums in float32 in rank order (and divides, for an AVG) and rounds once; an
+        all_gather of the rounded shares completes it. Each rank sends 2 (w - 1) / w of the
+        message, as a ring all_reduce does, in half the bytes of the widened message; every rank
+        gets the same bits, which are those of a float32 sum in rank order rounded once."""
+        w, n = self.world_size, flat.numel()
+        share = -(-n // w)
+        if share * w == n:
+            send = flat
+        else:  # the last share is padded with zeros, which add nothing
+            send = self.scratch.get("pieces out", flat.dtype, share * w)
+            send[:n].copy_(flat)
+            send[n:].zero_()
+        pieces = self.scratch.get("pieces in", flat.dtype, share * w)
+        self.transport.all_to_all(pieces, send)  # block q: rank q's values of this rank's share
+        blocks = pieces.view(w, share)
+        total = self.scratch.widened("wire", blocks[0])
+        for q in range(1, w):
+            total.add_(blocks[q])  # float32 += 16-bit, per element, in rank order
+        _, divide_by = as_sum(op, w)
+        if divide_by is not None:
+            total.div_(divide_by)
+        mine = blocks[0]  # read above: reused for this rank's rounded share
+        mine.copy_(total)
+        if share * w == n:
+            self.transport.all_gather(flat, mine)
+        else:
+            gathered = self.scratch.get("pieces out", flat.dtype, share * w)
+            self.transport.all_gather(gathered, mine)
+            flat.copy_(gathered[:n])
+
     # collectives -------------------------------------------------------------------------------
     def all_reduce(self, tensors: list[torch.Tensor], op: RedOp,
                    premultiplied: Callable[[torch.Tensor], torch.Tensor] = _as_is) -> None:
@@ -183,6 +231,10 @@ class Collectives:
             flat = premultiplied(flat)
             if op is RedOp.AVG and flat.dtype in self.transport.all_reduces_16_bit_avg:
                 self.transport.all_reduce(flat, op)  # 16 bits on the network (widened: twice the bytes)
+            elif self._sums_in_pieces(flat, op):
+                step = PIECES_ROUND_BYTES // flat.element_size()
+                for start in range(0, flat.numel(), step):
+                    self._sum_in_pieces(flat[start : start + step], op)
             else:
                 wire, wire_op, finish = self._wire(flat, op)
                 self.transport.all_reduce(wire, wire_op)

@@ -765,8 +765,10 @@ def file_url() -> str:
     return os.path.join(tempfile.mkdtemp(prefix="smddp-init-"), "rendezvous")
 
 
-def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float | None = None) -> dict:
-    """smddp_lite.compile against DDP + torch.optim.AdamW on the same per-rank batches."""
+def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float | None = None, width: int = 64,
+                    bucket_cap_mb: float = 0.01) -> dict:
+    """smddp_lite.compile against DDP + torch.optim.AdamW on the same per-rank batches; a hidden
+    layer of ``width`` units, buckets of ``bucket_cap_mb``."""
     import copy
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -774,13 +776,13 @@ def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float 
     smddp_lite.init()
     rank = dist.get_rank()
     torch.manual_seed(0)
-    base = torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.Tanh(), torch.nn.Linear(64, 5))
+    base = torch.nn.Sequential(torch.nn.Linear(33, width), torch.nn.Tanh(), torch.nn.Linear(width, 5))
     eager_module, compiled_module = copy.deepcopy(base), copy.deepcopy(base)
     eager = DDP(eager_module, bucket_cap_mb=0.01)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=3e-3, weight_decay=0.01)
     compiled, opt_c = smddp_lite.compile(compiled_module, torch.optim.AdamW(compiled_module.parameters(), lr=3e-3,
                                                                              weight_decay=0.01),
-                                         bucket_cap_mb=0.01, first_bucket_mb=0.001, wire_dtype=wire_dtype,
+                                         bucket_cap_mb=bucket_cap_mb, first_bucket_mb=0.001, wire_dtype=wire_dtype,
                                          max_grad_norm=clip)
     teacher = torch.randn(33, 5, generator=torch.Generator().manual_seed(7))  # a learnable labelling
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
@@ -800,6 +802,77 @@ def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float 
     scale = max(float(p.abs().max()) for p in eager_module.parameters())
     dist.destroy_process_group()
     return {"max_diff": diff, "max_abs": scale, "losses": losses, "buckets": len(opt_c.buckets)}
+
+
+def compiled_wire_bytes(wire_dtype: str | None, steps: int = 3) -> dict:
+    """Bytes one compiled step moves with ``wire_dtype`` on the wire: what the host's loopback
+    carried per step (every rank's, on one host: gloo's sockets), and the dtype and bytes of
+    every buffer the step handed the transport."""
+    smddp_lite.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+    compiled, opt = smddp_lite.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), bucket_cap_mb=0.25,
+                                       wire_dtype=wire_dtype)
+    transport = dist.distributed_c10d._get_default_group().transport
+    handed: list[tuple[str, str, int]] = []
+
+    def counting(name: str):
+        method = getattr(transport, name)
+
+        def counted(*args, **kwargs):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            sent = tensors[1] if name in ("all_to_all", "all_gather") else tensors[0]  # (output, input)
+            handed.append((name, str(sent.dtype).replace("torch.", ""), sent.numel() * sent.element_size()))
+            return method(*args, **kwargs)
+
+        return counted
+
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        compiled(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # connections made, buffers allocated
+    dist.barrier()
+    before = _bytes_sent("lo")
+    dist.barrier()
+    for name in ("all_reduce", "all_to_all", "all_gather"):  # instance attributes: this group's only
+        setattr(transport, name, counting(name))
+    for _ in range(steps):
+        step()
+    for name in ("all_reduce", "all_to_all", "all_gather"):
+        delattr(transport, name)
+    dist.barrier()
+    loopback = _bytes_sent("lo") - before
+    dist.barrier()
+    grads = sum(p.numel() for p in model.parameters())
+    dist.destroy_process_group()
+    return {"loopback_per_step": loopback / steps, "handed": handed[: len(handed) // steps],
+            "gradient_bytes": 4 * grads}
+
+
+def large_16_bit_sums(numel: int = 5_000_003) -> dict:
+    """float16 and bfloat16 SUM and AVG all_reduces of ``numel`` small integers (several rounds
+    of 16-bit pieces on gloo and MPI, the last one short and its share padded): which came out
+    wrong, compared exactly."""
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pattern = torch.arange(numel, dtype=torch.int64).remainder_(5)
+    wrong = []
+    for dtype in (torch.float16, torch.bfloat16):
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            t = (pattern * world + rank).to(dtype)  # a mean that is an integer, exact in 16 bits
+            dist.all_reduce(t, op=op)
+            want = pattern * world * world + sum(range(world))
+            if op == dist.ReduceOp.AVG:
+                want = pattern * world + sum(range(world)) / world
+            if not bool((t.double() == want.double()).all()):
+                wrong.append(f"{dtype} {op}")
+    dist.destroy_process_group()
+    return {"wrong": wrong}
 
 
 def compiled_apart(kind: str, steps: int = 2) -> dict:

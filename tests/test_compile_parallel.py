@@ -27,6 +27,63 @@ def test_compiled_matches_ddp(world, wire, clip):
     assert results[0]["losses"]["compiled"][-1] < results[0]["losses"]["compiled"][0]
 
 
+@pytest.mark.parametrize("transport", ["gloo", "mpi"])
+def test_a_16_bit_wire_matches_ddp_on_transports_that_sum_in_float32_themselves_not(transport):
+    """gloo and MPI cannot sum 16-bit floats in float32: the buckets' 16-bit pieces are
+    exchanged and summed in float32 where they land (buckets of 256 KiB, 128 KiB on the wire)."""
+    env = {"SMDDP_TRANSPORT": transport}
+    args = dict(wire_dtype="bfloat16", clip=0.5, width=2048, bucket_cap_mb=0.25)
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+        results = harness.values(harness.launch_mpi("tests.programs:compiled_parity", 2, env=env, **args))
+    else:
+        results = harness.values(harness.launch("tests.programs:compiled_parity", 2, env=env, **args))
+    for rank, r in enumerate(results):
+        assert r["buckets"] > 1, r
+        assert r["max_diff"] < 10 * 3e-3, (rank, r)  # as test_compiled_matches_ddp's bfloat16 wire
+    assert results[0]["losses"]["compiled"][-1] < results[0]["losses"]["compiled"][0]
+
+
+@pytest.mark.parametrize("transport, world", [("gloo", 2), ("gloo", 3), ("mpi", 2)])
+def test_large_16_bit_sums_in_rounds_of_pieces_are_exact(transport, world):
+    env = {"SMDDP_TRANSPORT": transport}
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+        results = harness.values(harness.launch_mpi("tests.programs:large_16_bit_sums", world, env=env))
+    else:
+        results = harness.values(harness.launch("tests.programs:large_16_bit_sums", world, env=env))
+    assert results == [{"wrong": []}] * world, results
+
+
+@pytest.mark.parametrize("transport", ["gloo", "mpi"])
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_a_16_bit_wire_sends_half_the_bytes_of_float32(transport, wire):
+    """Counted, not assumed: on gloo, the bytes the host's loopback carried per step (both ranks'
+    sockets); on gloo and MPI, every buffer the step hands the transport. A float32 wire hands
+    one float32 all_reduce per bucket; a 16-bit one, per bucket, an all_to_all of its 16-bit
+    pieces and an all_gather of this rank's rounded share: each rank sends (w - 1) / w of the
+    bucket in each, half of what the float32 ring all_reduce sends."""
+    env = {"SMDDP_TRANSPORT": transport}
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+        run = lambda w: harness.values(harness.launch_mpi("tests.programs:compiled_wire_bytes", 2, env=env,  # noqa: E731
+                                                          wire_dtype=w))
+    else:
+        run = lambda w: harness.values(harness.launch("tests.programs:compiled_wire_bytes", 2, env=env,  # noqa: E731
+                                                      wire_dtype=w))
+    wide, narrow = run(None)[0], run(wire)[0]
+    grads = wide["gradient_bytes"]
+    assert {dtype for _, dtype, _ in wide["handed"]} == {"float32"}, wide["handed"]
+    assert sum(n for op, _, n in wide["handed"] if op == "all_reduce") == grads, wide["handed"]
+    assert {dtype for _, dtype, _ in narrow["handed"]} == {wire}, narrow["handed"]
+    pieces = sum(n for op, _, n in narrow["handed"] if op == "all_to_all")
+    shares = sum(n for op, _, n in narrow["handed"] if op == "all_gather")
+    assert grads // 2 <= pieces < grads // 2 + 64 and 2 * shares == pieces, narrow["handed"]
+    if transport == "gloo":  # MPICH moves one host's bytes through shared memory, not sockets
+        ratio = narrow["loopback_per_step"] / wide["loopback_per_step"]
+        assert 0.45 <= ratio <= 0.55, (ratio, wide["loopback_per_step"], narrow["loopback_per_step"])
+
+
 def test_compile_starts_every_rank_from_rank_0s_weights_frozen_ones_included():
     results = harness.values(harness.launch("tests.programs:compiled_frozen_start", 2))
     assert results[1] == results[0]
