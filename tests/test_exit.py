@@ -23,15 +23,42 @@ dist.destroy_process_group()
 """
 
 
+def _ranks_exit_with(script, world: int) -> list[tuple[int, str]]:
+    """Run ``script`` as ``world`` plain processes that meet at a store this process hosts, as
+    torchrun's agent would; each rank's exit status and output. Without the launcher's own
+    interpreter, a run costs two interpreters instead of three."""
+    from datetime import timedelta
+
+    from smddp_lite.launch import open_store
+
+    store = open_store("127.0.0.1", world, timedelta(minutes=2))
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=harness.ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=harness._base_env(dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                                         LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                                         MASTER_PORT=str(store.port),
+                                                         TORCHELASTIC_USE_AGENT_STORE="True")))
+             for r in range(world)]
+    outcomes = [(proc.wait(timeout=120), proc.stdout.read()) for proc in procs]
+    for proc in procs:
+        proc.stdout.close()
+    del store
+    return outcomes
+
+
 def test_a_job_with_a_gloo_subgroup_exits_cleanly(tmp_path):
     """A gloo group's worker thread frees a finished call's tensors just after the caller's wait
     returns, under the GIL: a script that exited at once aborted in 5 of 12 runs ("terminate
-    called without an active exception", SIGABRT), and torchrun reported the job failed."""
+    called without an active exception", SIGABRT), and torchrun reported the job failed. One run
+    goes through torchrun; the other nine start the ranks directly, where the same abort shows
+    as a rank's exit status."""
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
-    for run in range(10):
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               str(script)], env=harness._base_env(None), capture_output=True, text=True,
-                              cwd=harness.ROOT, timeout=120)
-        out = done.stdout + done.stderr
-        assert done.returncode == 0 and "terminate called" not in out, (run, done.returncode, out[-3000:])
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env=harness._base_env(None), capture_output=True, text=True,
+                          cwd=harness.ROOT, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "terminate called" not in out, (done.returncode, out[-3000:])
+    for run in range(9):
+        for rank, (status, out) in enumerate(_ranks_exit_with(script, 2)):
+            assert status == 0 and "terminate called" not in out, (run, rank, status, out[-3000:])
