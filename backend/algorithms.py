@@ -9,11 +9,13 @@ contiguous copy.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from .call import Call
 from .errors import PeerRefusedError, RecoverableMismatchError, where
 from .ops import LOW_PRECISION, RedOp, as_sum, flat_view, moved_as_bytes
 from .scratch import DEFAULT_MAX_BYTES, Scratch
@@ -127,38 +129,40 @@ class Collectives:
         self.scratch = Scratch(scratch_max_bytes)
 
     # shared steps ------------------------------------------------------------------------------
-    def _as_bytes(self, t: torch.Tensor | None) -> torch.Tensor | None:
+    @staticmethod
+    def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
         """A flat tensor that an op only moves, as its uint8 bytes where ``moved_as_bytes`` says so
-        (bool, float8, int16, ...): transports move the dtypes they reduce, and bytes. The
-        transport is told the dtype it then carries (its headers name it)."""
+        (bool, float8, int16, ...): transports move the dtypes they reduce, and bytes (the step's
+        ``Call.carrying`` names the dtype, for the headers)."""
         if t is None:
             return None
-        moved = moved_as_bytes(t.dtype)
-        self.transport.carrying = t.dtype if moved else None
-        return t.view(torch.uint8) if moved else t
+        return t.view(torch.uint8) if moved_as_bytes(t.dtype) else t
 
-    def _agree(self, op: str, dtype: torch.dtype | None, numel: int, arg: int = 0) -> None:
+    def _agree(self, call: Call, op: str, dtype: torch.dtype | None, numel: int, arg: int = 0,
+               moves: bool = False) -> Call:
         """Verify that every rank calls the same op on the same size and dtype, where enabled;
         otherwise tell the group's refusal board what this rank is calling, so that a wait in it
-        that lasts compares it with its peers' (refusals.RefusalBoard.mismatch_in)."""
+        that lasts compares it with its peers' (refusals.RefusalBoard.mismatch_in). Returns the
+        step of ``call`` the transport runs: its signature, and for an op that ``moves`` data,
+        the dtype it carries as bytes."""
         mine = signature(op, dtype, numel, arg)
-        self.transport.calling = mine
+        carried = dtype if moves and dtype is not None and moved_as_bytes(dtype) else None
+        step = call.step(mine, carried)
         if not self._check:
             board = self.transport.refusals
             if board is not None:
-                board.entering(self.transport.call_index, mine)
-            return
+                board.entering(call.index, mine)
+            return step
         try:
-            everyone = self.transport.signature_check(mine)
+            everyone = self.transport.signature_check(call.step(mine), mine)  # int64 signatures: no bytes carried
         except PeerRefusedError:  # says what happened, naming this call, as it would without the check
             raise
         except dist.DistBackendError as exc:
             raise type(exc)(f"{where(self.rank, self.world_size, op)} checking that every rank called "
                             f"the same collective failed: {exc}") from exc
         if all(s == mine for s in everyone):
-            return
-        call = self.transport.call_index
-        said = mismatch_said([(r, call, s) for r, s in enumerate(everyone)])
+            return step
+        said = mismatch_said([(r, call.index, s) for r, s in enumerate(everyone)])
         raise RecoverableMismatchError(f"{where(self.rank, self.world_size, op)} {said} {_STILL_USABLE}")
 
     def _needs_float32(self, dtype: torch.dtype, op: RedOp | None) -> bool:
@@ -187,7 +191,7 @@ class Collectives:
                 and not self.transport.accumulates_low_precision
                 and flat.numel() * flat.element_size() >= PIECES_MIN_BYTES)
 
-    def _sum_in_pieces(self, flat: torch.Tensor, op: RedOp) -> None:
+    def _sum_in_pieces(self, step: Call, flat: torch.Tensor, op: RedOp) -> None:
         """A 16-bit SUM or AVG all_reduce whose bytes all travel in 16 bits and whose arithmetic is
         float32: an all_to_all gives each rank every rank's values of one share of the message,
         which it sums in float32 in rank order (and divides, for an AVG) and rounds once; an
@@ -203,7 +207,7 @@ class Collectives:
             send[:n].copy_(flat)
             send[n:].zero_()
         pieces = self.scratch.get("pieces in", flat.dtype, share * w)
-        self.transport.all_to_all(pieces, send)  # block q: rank q's values of this rank's share
+        self.transport.all_to_all(step, pieces, send)  # block q: rank q's values of this rank's share
         blocks = pieces.view(w, share)
         total = self.scratch.widened("wire", blocks[0])
         for q in range(1, w):
@@ -214,119 +218,118 @@ class Collectives:
         mine = blocks[0]  # read above: reused for this rank's rounded share
         mine.copy_(total)
         if share * w == n:
-            self.transport.all_gather(flat, mine)
+            self.transport.all_gather(step, flat, mine)
         else:
             gathered = self.scratch.get("pieces out", flat.dtype, share * w)
-            self.transport.all_gather(gathered, mine)
+            self.transport.all_gather(step, gathered, mine)
             flat.copy_(gathered[:n])
 
     # collectives -------------------------------------------------------------------------------
-    def all_reduce(self, tensors: list[torch.Tensor], op: RedOp,
+    def all_reduce(self, call: Call, tensors: list[torch.Tensor], op: RedOp,
                    premultiplied: Callable[[torch.Tensor], torch.Tensor] = _as_is) -> None:
         """``premultiplied`` (a PREMUL_SUM's factor, in place) runs once the ranks agreed on the
         call: a mismatch raises RecoverableMismatchError, which must leave the input as it was."""
         for group in _by_dtype(tensors):
             flat, unpack = _pack(group)
-            self._agree("all_reduce", flat.dtype, flat.numel(), int(op))
+            step = self._agree(call, "all_reduce", flat.dtype, flat.numel(), int(op))
             flat = premultiplied(flat)
             if op is RedOp.AVG and flat.dtype in self.transport.all_reduces_16_bit_avg:
-                self.transport.all_reduce(flat, op)  # 16 bits on the network (widened: twice the bytes)
+                self.transport.all_reduce(step, flat, op)  # 16 bits on the network (widened: twice the bytes)
             elif self._sums_in_pieces(flat, op):
-                step = PIECES_ROUND_BYTES // flat.element_size()
-                for start in range(0, flat.numel(), step):
-                    self._sum_in_pieces(flat[start : start + step], op)
+                round_numel = PIECES_ROUND_BYTES // flat.element_size()
+                for start in range(0, flat.numel(), round_numel):
+                    self._sum_in_pieces(step, flat[start : start + round_numel], op)
             else:
                 wire, wire_op, finish = self._wire(flat, op)
-                self.transport.all_reduce(wire, wire_op)
+                self.transport.all_reduce(step, wire, wire_op)
                 finish()
             unpack()
 
-    def broadcast(self, tensors: list[torch.Tensor], root: int) -> None:
+    def broadcast(self, call: Call, tensors: list[torch.Tensor], root: int) -> None:
         for group in _by_dtype(tensors):
             flat, unpack = _pack(group)
-            self._agree("broadcast", flat.dtype, flat.numel(), root)
-            wire = self._as_bytes(flat)
-            self.transport.broadcast(wire, root)
+            step = self._agree(call, "broadcast", flat.dtype, flat.numel(), root, moves=True)
+            self.transport.broadcast(step, self._as_bytes(flat), root)
             if self.rank != root:
                 unpack()
 
-    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp,
+    def reduce(self, call: Call, tensor: torch.Tensor, root: int, op: RedOp,
                premultiplied: Callable[[torch.Tensor], torch.Tensor] = _as_is) -> None:
         """``premultiplied``: as all_reduce's (in place on the root, a copy elsewhere)."""
         flat, unpack = _flat(tensor)
-        self._agree("reduce", flat.dtype, flat.numel(), root * REDUCE_ROOT_FACTOR + int(op))
+        step = self._agree(call, "reduce", flat.dtype, flat.numel(), root * REDUCE_ROOT_FACTOR + int(op))
         flat = premultiplied(flat)
         wire, wire_op, finish = self._wire(flat, op)
-        self.transport.reduce(wire, root, wire_op)
+        self.transport.reduce(step, wire, root, wire_op)
         if self.rank == root:
             finish()
             unpack()
 
-    def _move(self, op: str, output: torch.Tensor, input: torch.Tensor, in_place_at: int | None = None) -> None:
+    def _move(self, call: Call, op: str, output: torch.Tensor, input: torch.Tensor, in_place_at: int | None = None) -> None:
         """A collective that only moves bytes (no arithmetic): any dtype travels as it is. An
         input that overlaps the output other than at ``in_place_at`` goes from a copy (an in-place
         all_to_all_single on gloo, an all_gather whose input is another rank's block on shm)."""
         src, _ = _flat(input)
         dst, unpack = _flat(output)
-        self._agree(op, src.dtype, src.numel())
+        step = self._agree(call, op, src.dtype, src.numel(), moves=True)
         src, dst = self._as_bytes(_unaliased(src, dst, in_place_at)), self._as_bytes(dst)
-        getattr(self.transport, op)(dst, src)
+        getattr(self.transport, op)(step, dst, src)
         unpack()
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_gather(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         """``output`` holds world_size blocks of ``input``'s numel, in rank order; ``input`` may
         be this rank's own block of it."""
-        self._move("all_gather", output, input, in_place_at=self.rank * input.numel())
+        self._move(call, "all_gather", output, input, in_place_at=self.rank * input.numel())
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+    def reduce_scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         """``output`` gets the reduction of block ``rank`` of every rank's ``input``."""
         src, _ = _flat(input)
         dst, unpack = _flat(output)
-        self._agree("reduce_scatter", src.dtype, dst.numel(), int(op))
+        step = self._agree(call, "reduce_scatter", src.dtype, dst.numel(), int(op))
         if src.dtype is torch.bool:
-            self.transport.reduce_scatter(dst.view(torch.uint8), src.view(torch.uint8), _BOOL_OP[op])
+            self.transport.reduce_scatter(step, dst.view(torch.uint8), src.view(torch.uint8), _BOOL_OP[op])
         elif src.dtype in self.transport.reduce_scatters_16_bit and op in (RedOp.SUM, RedOp.AVG):
-            self.transport.reduce_scatter(dst, src, op)  # 16 bits on the network (widened: twice the bytes)
+            self.transport.reduce_scatter(step, dst, src, op)  # 16 bits on the network (widened: twice the bytes)
         else:
             wire_out, wire_op, finish = self._wire(dst, op)
             wire_in = self.scratch.widened("wire in", src) if wire_out is not dst else src
-            self.transport.reduce_scatter(wire_out, wire_in, wire_op)
+            self.transport.reduce_scatter(step, wire_out, wire_in, wire_op)
             finish()
         unpack()
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_to_all(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         """Block ``q`` of ``input`` goes to rank ``q``; ``output`` block ``q`` comes from rank ``q``."""
-        self._move("all_to_all", output, input)
+        self._move(call, "all_to_all", output, input)
 
-    def gather(self, outputs: list[torch.Tensor], input: torch.Tensor, root: int) -> None:
+    def gather(self, call: Call, outputs: list[torch.Tensor], input: torch.Tensor, root: int) -> None:
         """The root's ``outputs`` (one per rank) receive every rank's ``input``; elsewhere
         ``outputs`` is empty."""
         src, _ = _flat(input)
         n = src.numel()
-        self._agree("gather", src.dtype, n, root)
+        step = self._agree(call, "gather", src.dtype, n, root, moves=True)
         everyone = adjacent = _adjacent(outputs) if self.rank == root else None
         if self.rank == root and everyone is None:
             everyone = torch.empty(self.world_size * n, dtype=src.dtype)
         elif adjacent is not None:
             src = _unaliased(src, adjacent, root * n)  # the input may lie in another rank's block
-        self.transport.gather(self._as_bytes(everyone), self._as_bytes(src), root)
+        self.transport.gather(step, self._as_bytes(everyone), self._as_bytes(src), root)
         if everyone is not None and adjacent is None:
             for out, block in zip(outputs, everyone.view(self.world_size, n)):
                 out.copy_(block.view_as(out))
 
-    def scatter(self, output: torch.Tensor, inputs: list[torch.Tensor], root: int) -> None:
+    def scatter(self, call: Call, output: torch.Tensor, inputs: list[torch.Tensor], root: int) -> None:
         """``output`` receives the root's ``inputs[rank]``; elsewhere ``inputs`` is empty."""
         dst, unpack = _flat(output)
-        self._agree("scatter", dst.dtype, dst.numel(), root)
+        step = self._agree(call, "scatter", dst.dtype, dst.numel(), root, moves=True)
         everything = None
         if self.rank == root:
             everything = _adjacent(inputs)
             if everything is None:
                 everything, _ = _pack(inputs)
-        self.transport.scatter(self._as_bytes(dst), self._as_bytes(everything), root)
+        self.transport.scatter(step, self._as_bytes(dst), self._as_bytes(everything), root)
         unpack()
 
-    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
+    def all_to_all_v(self, call: Call, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
                      input_splits: list[int], row: int = 1, rule: str = _SPLIT_RULE) -> None:
         """Block ``q`` of ``input`` (``input_splits[q]`` rows of ``row`` elements, in rank order)
         goes to rank ``q``; ``output`` receives ``output_splits[q]`` rows from rank ``q``. Every rank's
@@ -337,34 +340,34 @@ class Collectives:
         every rank's sizes."""
         src, _ = _flat(input)
         dst, unpack = _flat(output)
-        self._agree("all_to_all_v", src.dtype, 0)
-        rows = self._agreed_splits(input_splits, output_splits, row, rule)
+        step = self._agree(call, "all_to_all_v", src.dtype, 0, moves=True)
+        rows = self._agreed_splits(step, input_splits, output_splits, row, rule)
         unit = row * _moved_per_element(src.dtype)  # a row, in what the transport moves
         src, dst = self._as_bytes(_unaliased(src, dst)), self._as_bytes(dst)  # blocks move to other offsets
-        self.transport.all_to_all_v(dst, src, [[c * unit for c in r] for r in rows])
+        self.transport.all_to_all_v(step, dst, src, [[c * unit for c in r] for r in rows])
         unpack()
 
-    def all_gather_v(self, outputs: list[torch.Tensor], input: torch.Tensor) -> None:
+    def all_gather_v(self, call: Call, outputs: list[torch.Tensor], input: torch.Tensor) -> None:
         """``outputs[q]`` receives rank q's ``input``, whose sizes differ. Every rank's sizes are
         first checked against its peers', as an uneven all_to_all's whose every block is the
         input. Outputs that lie one after another (``list(out.split(sizes))``) are written where
         they are; the input may be its own output."""
         src, _ = _flat(input)
         w, sizes = self.world_size, [t.numel() for t in outputs]
-        self._agree("all_gather_v", src.dtype, 0)
-        self._agreed_splits([src.numel()] * w, sizes, 1,
+        step = self._agree(call, "all_gather_v", src.dtype, 0, moves=True)
+        self._agreed_splits(step, [src.numel()] * w, sizes, 1,
                             rule="Rank q's output tensor p must have as many elements as rank p's input.")
         adjacent = _adjacent(outputs)
         received = adjacent if adjacent is not None else torch.empty(sum(sizes), dtype=src.dtype)
         mine = sum(sizes[: self.rank])
         src = _unaliased(src, received, mine)  # the input may lie in another rank's output
         unit = _moved_per_element(src.dtype)
-        self.transport.all_gather_v(self._as_bytes(received), self._as_bytes(src), [n * unit for n in sizes])
+        self.transport.all_gather_v(step, self._as_bytes(received), self._as_bytes(src), [n * unit for n in sizes])
         if adjacent is None:
             for out, block in zip(outputs, received.split(sizes)):
                 out.copy_(block.view_as(out))
 
-    def _agreed_splits(self, input_splits: list[int], output_splits: list[int], row: int,
+    def _agreed_splits(self, step: Call, input_splits: list[int], output_splits: list[int], row: int,
                        rule: str = _SPLIT_RULE) -> list[list[int]]:
         """Every rank's splits (in rows of ``row`` elements), gathered; raises
         CollectiveMismatchError on every rank (they all see the same table) where ranks' rows
@@ -373,22 +376,23 @@ class Collectives:
         w = self.world_size
         mine = torch.tensor(list(input_splits) + list(output_splits) + [row, SIZES_MARK], dtype=torch.int64)
         table = torch.empty(w * mine.numel(), dtype=torch.int64)
-        self.transport.gather_split_sizes(table, mine)
+        # int64 sizes move here, whatever the data's dtype: the step carries none
+        self.transport.gather_split_sizes(dataclasses.replace(step, carrying=None), table, mine)
         rows = table.view(w, mine.numel()).tolist()
         unmarked = [p for p, r in enumerate(rows) if r[-1] != SIZES_MARK]
         if unmarked:
             # those ranks' call has completed with this rank's sizes as its data: no error reaches
             # them from here, but the board's announcement does, in their next call's wait
-            said = paired_with_size_exchange_said(self.transport.call_index, self.transport.calling or [],
+            said = paired_with_size_exchange_said(step.index, list(step.signature or ()),
                                                   [p for p in range(w) if p not in unmarked], unmarked,
                                                   mine.numel() * mine.element_size())
             if self.transport.refusals is not None:
                 self.transport.refusals.announce_mismatch(said)
-            raise explained(said, where(self.rank, w, self.transport.running or "all_to_all"))
+            raise explained(said, where(self.rank, w, step.op))
         widths = [r[2 * w] for r in rows]
         if len(set(widths)) > 1:
             raise RecoverableMismatchError(
-                f"{where(self.rank, w, self.transport.running or 'all_to_all')} ranks' rows differ in size "
+                f"{where(self.rank, w, step.op)} ranks' rows differ in size "
                 f"({'; '.join(f'rank {p}: {e} elements' for p, e in enumerate(widths))}); every rank's tensors "
                 f"must have the same size in every dimension but the first. {_STILL_USABLE}")
         unit = "rows" if row > 1 else "elements"
@@ -397,11 +401,10 @@ class Collectives:
             said = "; ".join(f"rank {p} sends {sends} {unit} to rank {q}, which expects {expects}"
                              for p, q, sends, expects in wrong[:8])
             raise RecoverableMismatchError(
-                f"{where(self.rank, w, self.transport.running or 'all_to_all')} ranks disagree on the block sizes ({said}"
+                f"{where(self.rank, w, step.op)} ranks disagree on the block sizes ({said}"
                 f"{'; ...' if len(wrong) > 8 else ''}). {rule} {_STILL_USABLE}"
             )
         return [r[:w] for r in rows]
 
-    def barrier(self) -> None:
-        self._agree("barrier", None, 0)
-        self.transport.barrier()
+    def barrier(self, call: Call) -> None:
+        self.transport.barrier(self._agree(call, "barrier", None, 0))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from . import ops
 from .algorithms import Collectives
+from .call import Call
 from .errors import RecoverableMismatchError, SMDDPError, where
 from .p2p import PeerLinks
 from .transports import create_transport
@@ -178,8 +179,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     # the one path every collective takes ---------------------------------------------------------
     def _run(self, op: str, tensors: list[torch.Tensor], outputs: list[torch.Tensor],
-             check: Callable[[], None], body: Callable[[], None], nccl: Callable[[Any], Any] | None = None):
-        """Validate on this thread, then queue ``body`` on the communication thread; for CUDA
+             check: Callable[[], None], body: Callable[[Call], None], nccl: Callable[[Any], Any] | None = None):
+        """Validate on this thread, then queue ``body`` (given this call's ``Call``) on the
+        communication thread; for CUDA
         tensors, enqueue ``nccl(nccl_path)`` on the device instead (NeedsStaging if it cannot)."""
         self._calls += 1
         call = self._calls
@@ -201,13 +203,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         def run() -> None:
             if self._failure is not None:
                 raise SMDDPError(self._failure)
-            self.transport.begin_call(call, op)
             try:
                 # collectives write tensors' data outside autograd, as torch's own backends do: a
                 # parameter (a leaf that requires grad) may be all-reduced or broadcast by hand,
                 # and grad mode is per thread, on by default on the communication thread
                 with torch.no_grad():
-                    body()
+                    body(Call(call, op))
             except RecoverableMismatchError:
                 raise  # every rank raised it at one point, before any data moved: the group goes on
             except dist.DistBackendError as exc:
@@ -310,7 +311,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return t if factor is None else t.mul_(_factor_on(t, factor))
 
         return self._run("all_reduce", tensors, tensors, lambda: _same_ops(op, tensors, factor),
-                         lambda: self.collectives.all_reduce(tensors, op, premultiplied),
+                         lambda c: self.collectives.all_reduce(c, tensors, op, premultiplied),
                          lambda n: n.check("all_reduce", [t.dtype for t in tensors], op)
                          or n.all_reduce([premultiplied(t) for t in tensors], op))
 
@@ -323,7 +324,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             tensors = _as_list(tensors)
         root = getattr(opts, "rootRank", 0) if opts is not None else 0
         return self._run("broadcast", tensors, tensors, lambda: self._root(root),
-                         lambda: self.collectives.broadcast(tensors, root), lambda n: n.broadcast(tensors, root))
+                         lambda c: self.collectives.broadcast(c, tensors, root), lambda n: n.broadcast(tensors, root))
 
     @_device_aware("reduce")
     def reduce(self, tensors, opts=None):
@@ -346,7 +347,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return t.mul_(_factor_on(t, factor)) if self.rank() == root else t * _factor_on(t, factor)
 
         return self._run("reduce", tensors, tensors, check,
-                         lambda: self.collectives.reduce(tensors[0], root, op, premultiplied),
+                         lambda c: self.collectives.reduce(c, tensors[0], root, op, premultiplied),
                          lambda n: n.check("reduce", [tensors[0].dtype], op)
                          or n.reduce(premultiplied(tensors[0]), root, op))
 
@@ -374,11 +375,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 raise ValueError(f"output tensor {self.rank()} (this rank's) has {mine.numel()} elements, but the "
                                  f"input has {inputs[0].numel()}; this rank's output must hold its own input")
 
-        def body() -> None:
+        def body(c: Call) -> None:
             if uneven:
-                return self.collectives.all_gather_v(outputs, inputs[0])
+                return self.collectives.all_gather_v(c, outputs, inputs[0])
             flat = torch.empty(self.size() * inputs[0].numel(), dtype=inputs[0].dtype)
-            self.collectives.all_gather(flat, inputs[0])
+            self.collectives.all_gather(c, flat, inputs[0])
             for out, block in zip(outputs, flat.chunk(self.size()) if flat.numel() else [flat] * self.size()):
                 out.copy_(block.view_as(out))
 
@@ -399,7 +400,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=None):
         check = lambda: self._sized("all_gather_into_tensor", output, input, self.size())  # noqa: E731
         return self._run("all_gather_into_tensor", [output, input], [output], check,
-                         lambda: self.collectives.all_gather(output, input), lambda n: n.all_gather(output, input))
+                         lambda c: self.collectives.all_gather(c, output, input), lambda n: n.all_gather(output, input))
 
     _allgather_base = all_gather_single
 
@@ -424,8 +425,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         def sent() -> list[torch.Tensor]:  # a PREMUL_SUM's inputs times the factor: copies, the inputs stay
             return inputs if factor is None else [t * _factor_on(t, factor) for t in inputs]
 
-        def body() -> None:
-            self.collectives.reduce_scatter(outputs[0], torch.cat([t.reshape(-1) for t in sent()]), op)
+        def body(c: Call) -> None:
+            self.collectives.reduce_scatter(c, outputs[0], torch.cat([t.reshape(-1) for t in sent()]), op)
 
         return self._run("reduce_scatter", outputs + inputs, outputs, check, body,
                          lambda n: n.reduce_scatter_list(outputs[0], sent(), op))
@@ -443,7 +444,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return input if factor is None else input * _factor_on(input, factor)
 
         return self._run("reduce_scatter_tensor", [output, input], [output], check,
-                         lambda: self.collectives.reduce_scatter(output, sent(), op),
+                         lambda c: self.collectives.reduce_scatter(c, output, sent(), op),
                          lambda n: n.reduce_scatter(output, sent(), op))
 
     _reduce_scatter_base = reduce_scatter_single
@@ -485,14 +486,14 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             output_rows = lambda: list(output_split_sizes) or _equal(output.shape[0], n)  # noqa: E731
             input_rows = lambda: list(input_split_sizes) or _equal(input.shape[0], n)  # noqa: E731
 
-            def body() -> None:
-                self.collectives.all_to_all_v(output, output_rows(), input, input_rows(), row)
+            def body(c: Call) -> None:
+                self.collectives.all_to_all_v(c, output, output_rows(), input, input_rows(), row)
 
             def nccl(path):
                 return path.all_to_all_v(output, [c * row for c in output_rows()], input, [c * row for c in input_rows()])
         else:
-            def body() -> None:
-                self.collectives.all_to_all(output, input)
+            def body(c: Call) -> None:
+                self.collectives.all_to_all(c, output, input)
 
             def nccl(path):
                 return path.all_to_all(output, input)
@@ -514,10 +515,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 raise ValueError(f"tensors differ in dtype ({', '.join(sorted(map(ops.dtype_name, dtypes)))}); "
                                  "pass tensors of one dtype")
 
-        def body() -> None:
+        def body(c: Call) -> None:
             received = torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype)
             sent = torch.cat([t.reshape(-1) for t in inputs])
-            self.collectives.all_to_all_v(received, [t.numel() for t in outputs], sent, [t.numel() for t in inputs])
+            self.collectives.all_to_all_v(c, received, [t.numel() for t in outputs], sent, [t.numel() for t in inputs])
             for out, block in zip(outputs, received.split([t.numel() for t in outputs])):
                 out.copy_(block.view_as(out))
 
@@ -530,7 +531,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             inputs = _as_list(input_tensors)
             outputs = list(_inner_list(output_tensors)) if output_tensors else []
         return self._rooted("gather", inputs, outputs, "output", root, outputs,
-                            lambda: self.collectives.gather(outputs, inputs[0], root))
+                            lambda c: self.collectives.gather(c, outputs, inputs[0], root))
 
     @_device_aware("scatter")
     def scatter(self, output_tensors, input_tensors, opts=None):
@@ -539,10 +540,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             outputs = _as_list(output_tensors)
             inputs = list(_inner_list(input_tensors)) if input_tensors else []
         return self._rooted("scatter", outputs, inputs, "input", root, outputs,
-                            lambda: self.collectives.scatter(outputs[0], inputs, root))
+                            lambda c: self.collectives.scatter(c, outputs[0], inputs, root))
 
     def _rooted(self, op: str, mine: list[torch.Tensor], blocks: list[torch.Tensor], what: str, root: int,
-                outputs: list[torch.Tensor], body: Callable[[], None]):
+                outputs: list[torch.Tensor], body: Callable[[Call], None]):
         """gather and scatter: one tensor of this rank's (``mine``) and, on the root only, one
         block per rank (``blocks``, the ``what`` tensors), each like it."""
         def check() -> None:

@@ -726,11 +726,13 @@ def steps_differ_under_one_call() -> dict:
     parts run different steps while naming the same user call (which settings that agree cannot
     cause: shared_settings.py): the error each raises."""
     smddp_lite.init(timeout=timedelta(seconds=30))
+    from smddp_lite.backend.call import Call
+
     transport = dist.group.WORLD.transport
-    transport.begin_call(1, "all_reduce")
-    transport.calling = signature("all_reduce", torch.float32, 8)  # the same on both ranks
+    call = Call(1, "all_reduce").step(signature("all_reduce", torch.float32, 8))  # the same on both ranks
     intra, t = transport.intra, torch.ones(8)
-    step = (lambda: intra.all_reduce(t, RedOp.SUM)) if transport.local_rank == 0 else (lambda: intra.broadcast(t, 0))
+    step = (lambda: intra.all_reduce(call, t, RedOp.SUM)) if transport.local_rank == 0 else (
+        lambda: intra.broadcast(call, t, 0))
     return _error_of(step)
 
 

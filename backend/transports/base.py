@@ -3,8 +3,10 @@
 Tensors arrive flat (1-D), contiguous and on the CPU; the algorithms layer has already turned AVG
 into SUM (except the 16-bit AVGs a transport takes itself: ``reduce_scatters_16_bit``,
 ``all_reduces_16_bit_avg``), bool into uint8 and, when ``accumulates_low_precision`` is False,
-16-bit floats into float32. Every method blocks until this rank's part is done and raises
-``SMDDPError`` (with the transport's own error text) on failure.
+16-bit floats into float32. Every collective method takes the ``Call`` (call.py) it runs a step
+of, blocks until this rank's part is done and raises ``SMDDPError`` (with the transport's own
+error text) on failure. What describes a transport to its user (its refusal board, the ranks and
+role its messages name) is given to its constructor, and nothing else sets its attributes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import itertools
 
 import torch
 
+from ..call import Call
 from ..errors import where
 from ..ops import RedOp
 
@@ -41,9 +44,6 @@ class Transport(abc.ABC):
     thread and pay for the hand-off: 44 us against 58 us per small all_reduce, and far more
     when other threads (a gloo group's, say) share the process. Network-bound transports keep
     the thread so that DDP overlaps their waiting with backward compute."""
-    call_index: int = 0
-    """Index of the process-group call being run; identical on every rank that makes the same
-    calls (begin_call)."""
     refusals = None
     """The group's RefusalBoard (refusals.py) for transports whose waits cannot otherwise learn
     that a peer refused the call they wait in, or called a different one (gloo, MPI, the
@@ -54,80 +54,65 @@ class Transport(abc.ABC):
     peers_shown: list[int] | None = None
     """The rank the user's group gives each of this transport's ranks, when not their own (a
     hierarchical transport's part), for messages that name peers (shm's)."""
-    running: str | None = None
-    """The collective the process group is running, as the user called it (all_reduce,
-    all_gather_into_tensor, ...; begin_call), so an error in a step of it (a hierarchical
-    part's reduce_scatter, the signature check's all_gather) names the call the user made."""
     role: str = ""
     """What this transport's steps are to the user's group (the hierarchical transport's parts:
     "within the host", "between hosts"), for error messages."""
-    carrying: torch.dtype | None = None
-    """The user's dtype while a moving op's tensors pass through this transport as their uint8
-    bytes (algorithms.Collectives sets it), so that headers (shm) tell bool, uint8 and float8
-    apart; sizes stay in the bytes moved."""
-    calling: list[int] | None = None
-    """The signature (signatures.signature) of the call the user made, while it runs
-    (algorithms.Collectives sets it); the hierarchical transport's host part publishes it in
-    its headers in place of its step's own."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, *, refusals=None, shown_as: tuple[int, int] | None = None,
+                 peers_shown: list[int] | None = None, role: str = "") -> None:
         self.rank = rank
         self.world_size = world_size
+        self.refusals, self.shown_as, self.peers_shown, self.role = refusals, shown_as, peers_shown, role
 
-    def begin_call(self, call: int, op: str) -> None:
-        """The process group is about to run its call number ``call``, ``op`` as the user named it."""
-        self.call_index, self.running, self.carrying, self.calling = call, op, None, None
-
-    def where(self, op: str) -> str:
+    def where(self, call: Call, op: str) -> str:
         """The prefix of this transport's error messages (errors.where), naming the rank as the
         user's process group numbers it."""
-        return where(*(self.shown_as or (self.rank, self.world_size)), self.shown_op(op))
+        return where(*(self.shown_as or (self.rank, self.world_size)), self.shown_op(call, op))
 
-    def shown_op(self, op: str) -> str:
+    def shown_op(self, call: Call, op: str) -> str:
         """``op`` (this transport's) as error messages name it: the user's call, and the step of
         it that ``op`` is when they differ ("all_reduce (reduce_scatter step within the host)")."""
         role = f" {self.role}" if self.role else ""
-        if self.running is not None and not self.running.startswith(op):  # all_gather_into_tensor runs all_gather
-            return f"{self.running} ({op} step{role})"
-        call = self.running or op
-        return f"{call} ({self.role})" if self.role else call
+        if not call.op.startswith(op):  # all_gather_into_tensor runs all_gather
+            return f"{call.op} ({op} step{role})"
+        return f"{call.op} ({self.role})" if self.role else call.op
 
     @abc.abstractmethod
-    def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None: ...
+    def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None: ...
 
     @abc.abstractmethod
-    def broadcast(self, tensor: torch.Tensor, root: int) -> None: ...
+    def broadcast(self, call: Call, tensor: torch.Tensor, root: int) -> None: ...
 
     @abc.abstractmethod
-    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None: ...
+    def reduce(self, call: Call, tensor: torch.Tensor, root: int, op: RedOp) -> None: ...
 
     @abc.abstractmethod
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_gather(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         """``output`` (world_size * n,) receives every rank's ``input`` (n,) in rank order."""
 
     @abc.abstractmethod
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+    def reduce_scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         """``output`` (n,) receives the reduction of block ``rank`` of every rank's ``input``."""
 
     @abc.abstractmethod
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_to_all(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         """Block ``q`` of ``input`` (world_size equal blocks) goes to rank ``q``'s block ``rank``."""
 
     @abc.abstractmethod
-    def barrier(self) -> None: ...
+    def barrier(self, call: Call) -> None: ...
 
     @abc.abstractmethod
-    def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
+    def gather(self, call: Call, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
         """``output`` (world_size * n,) on ``root`` receives every rank's ``input`` (n,) in rank
         order; ``output`` is None on the other ranks."""
 
     @abc.abstractmethod
-    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
+    def scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
         """``output`` (n,) receives block ``rank`` of the root's ``input`` (world_size * n,);
         ``input`` is None on the other ranks."""
 
     @abc.abstractmethod
-    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
+    def all_to_all_v(self, call: Call, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
         """``sends[p][q]``: the elements rank p sends rank q, for every pair, the same on every
         rank (the algorithms layer has gathered and checked them). Block ``q`` of ``input``
         (``sends[rank][q]`` elements) goes to rank ``q``; block ``p`` of ``output``
@@ -137,26 +122,26 @@ class Transport(abc.ABC):
         """This rank's (input, output) block sizes in an all_to_all_v of ``sends``."""
         return list(sends[self.rank]), [row[self.rank] for row in sends]
 
-    def all_gather_v(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int]) -> None:
+    def all_gather_v(self, call: Call, output: torch.Tensor, input: torch.Tensor, sizes: list[int]) -> None:
         """``output`` receives every rank's ``input``, rank p's of ``sizes[p]`` elements, in rank
         order; ``sizes`` is the same on every rank (the algorithms layer has checked them). Here
         an all_to_all_v whose every block is the input (world_size copies of it): for transports
         without a form of their own (gloo has none; shm and MPI override this)."""
         w = self.world_size
-        self.all_to_all_v(output, input.repeat(w), [[n] * w for n in sizes])
+        self.all_to_all_v(call, output, input.repeat(w), [[n] * w for n in sizes])
 
-    def gather_split_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def gather_split_sizes(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         """The all_gather of every rank's split sizes that an uneven all_to_all starts with.
         Transports that check headers (shm) name it apart, so that a rank here is told of a peer
         that makes a plain all_gather of the same size instead (a list all_gather whose ranks
         disagree on whether their sizes differ) rather than pairing with it."""
-        self.all_gather(output, input)
+        self.all_gather(call, output, input)
 
-    def signature_check(self, signature: list[int]) -> list[list[int]]:
+    def signature_check(self, call: Call, signature: list[int]) -> list[list[int]]:
         """Every rank's ``signature`` (op, dtype, numel, arg), gathered with the transport itself."""
         mine = torch.tensor(signature, dtype=torch.int64)
         everyone = torch.empty(self.world_size * len(signature), dtype=torch.int64)
-        self.all_gather(everyone, mine)
+        self.all_gather(call, everyone, mine)
         return everyone.view(self.world_size, len(signature)).tolist()
 
     def reject(self, call_index: int, reason: str, learn_outcome: bool = True) -> str | None:

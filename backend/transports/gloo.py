@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..errors import PeerFailureError
 from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum
 from ..scratch import DEFAULT_MAX_BYTES, Scratch
+from ..call import Call
 from .base import Transport, overlap
 from .refusals import POLL, POLL_S, explained
 
@@ -50,30 +51,31 @@ class GlooTransport(Transport):
     # blocks it received before gave the same bits in twice the bytes
     reduce_scatters_16_bit = frozenset(LOW_PRECISION)
 
-    def __init__(self, store, rank: int, world_size: int, timeout, scratch_max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        super().__init__(rank, world_size)
+    def __init__(self, store, rank: int, world_size: int, timeout, scratch_max_bytes: int = DEFAULT_MAX_BYTES,
+                 **shown) -> None:
+        super().__init__(rank, world_size, **shown)
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
         # float32 working buffers of reduce_scatter's reduction (used only inside its finish(),
         # which a group runs one at a time, also when several reduce_scatters are in flight)
         self._scratch = Scratch(scratch_max_bytes)
 
-    def _run(self, op: str, work) -> None:
+    def _run(self, call: Call, op: str, work) -> None:
         if self.refusals is None:
-            return self._wait(op, work, None)
-        while not self._waited_one_slice(op, work):
-            self.refusals.raise_if_told(self.call_index, self.where(op))  # a peer never entering
+            return self._wait(call, op, work, None)
+        while not self._waited_one_slice(call, op, work):
+            self.refusals.raise_if_told(call.index, self.where(call, op))  # a peer never entering
         return None
 
-    def _waited_one_slice(self, op: str, work) -> bool:
+    def _waited_one_slice(self, call: Call, op: str, work) -> bool:
         """Wait up to one refusal poll for ``work``; True once it is done. Waits that end sooner
         return at once, as an unbounded one would."""
         try:
-            self._wait(op, work, POLL)
+            self._wait(call, op, work, POLL)
             return True
         except _SliceEnded:
             return False
 
-    def _wait(self, op: str, work, timeout) -> None:
+    def _wait(self, call: Call, op: str, work, timeout) -> None:
         try:
             work.wait() if timeout is None else work.wait(timeout)
         except Exception as exc:
@@ -82,48 +84,48 @@ class GlooTransport(Transport):
             # a peer that raised for a reason it posted on the group's board (a mismatch it
             # found, a refusal) and then exited closes its connections before this rank's next
             # look there: its reason says more than gloo's "connection closed"
-            said = self.refusals.news(self.call_index) if self.refusals is not None else None
+            said = self.refusals.news(call.index) if self.refusals is not None else None
             if said is not None:
-                raise explained(said, self.where(op)) from exc
+                raise explained(said, self.where(call, op)) from exc
             # Gloo's own text names the peer and the socket error
             hint = _PEER_GONE_HINT if "by peer" in str(exc) else ""
-            raise PeerFailureError(f"{self.where(op)} gloo failed: {exc}{hint}") from exc
+            raise PeerFailureError(f"{self.where(call, op)} gloo failed: {exc}{hint}") from exc
 
-    def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
-        self.all_reduce_async(tensor, op)()
+    def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:
+        self.all_reduce_async(call, tensor, op)()
 
-    def all_reduce_async(self, tensor: torch.Tensor, op: RedOp):
+    def all_reduce_async(self, call: Call, tensor: torch.Tensor, op: RedOp):
         """Start an all_reduce; returns a function that waits for it (and raises as all_reduce
         would). Gloo runs started collectives on its own threads, matched across ranks by the
         order in which they were started."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TORCH_OP[op]
         work = self._pg.allreduce([tensor], opts)
-        return lambda: self._run("all_reduce", work)
+        return lambda: self._run(call, "all_reduce", work)
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        self.broadcast_async(tensor, root)()
+    def broadcast(self, call: Call, tensor: torch.Tensor, root: int) -> None:
+        self.broadcast_async(call, tensor, root)()
 
-    def broadcast_async(self, tensor: torch.Tensor, root: int):
+    def broadcast_async(self, call: Call, tensor: torch.Tensor, root: int):
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         work = self._pg.broadcast([tensor], opts)
-        return lambda: self._run("broadcast", work)
+        return lambda: self._run(call, "broadcast", work)
 
-    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
+    def reduce(self, call: Call, tensor: torch.Tensor, root: int, op: RedOp) -> None:
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = root, _TORCH_OP[op]
         # Gloo uses non-root buffers as scratch; ours promise to leave them as they were.
-        self._run("reduce", self._pg.reduce([tensor if self.rank == root else tensor.clone()], opts))
+        self._run(call, "reduce", self._pg.reduce([tensor if self.rank == root else tensor.clone()], opts))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.all_gather_async(output, input)()
+    def all_gather(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.all_gather_async(call, output, input)()
 
-    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor):
+    def all_gather_async(self, call: Call, output: torch.Tensor, input: torch.Tensor):
         work = self._pg._allgather_base(output, input)
-        return lambda: self._run("all_gather", work)
+        return lambda: self._run(call, "all_gather", work)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp,
+    def reduce_scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp,
                        accumulate: torch.dtype | None = None, divide_by: int | None = None) -> None:
         """An all_to_all of the input's blocks, then this rank's reduction of the blocks it got.
 
@@ -139,9 +141,9 @@ class GlooTransport(Transport):
         arithmetic). ``output`` may then differ from ``input`` in dtype (the hierarchical
         transport's inter-host step). ``divide_by``: divide the reduction by it before that
         rounding (an average; AVG itself divides by the group's size)."""
-        self.reduce_scatter_async(output, input, op, accumulate, divide_by)()
+        self.reduce_scatter_async(call, output, input, op, accumulate, divide_by)()
 
-    def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor, op: RedOp,
+    def reduce_scatter_async(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp,
                              accumulate: torch.dtype | None = None, divide_by: int | None = None):
         """Start a reduce_scatter; returns the function that waits for its blocks, reduces them
         into ``output`` and raises as reduce_scatter would."""
@@ -153,7 +155,7 @@ class GlooTransport(Transport):
         work = self._pg.alltoall_base(received, input, [], [], dist.AllToAllOptions())
 
         def finish() -> None:
-            self._run("reduce_scatter", work)
+            self._run(call, "reduce_scatter", work)
             blocks = received.view(self.world_size, -1)
             dtype = accumulate or blocks.dtype
             n = blocks.shape[1]
@@ -174,46 +176,46 @@ class GlooTransport(Transport):
 
         return finish
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.all_to_all_async(output, input)()
+    def all_to_all(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.all_to_all_async(call, output, input)()
 
-    def all_to_all_async(self, output: torch.Tensor, input: torch.Tensor):
+    def all_to_all_async(self, call: Call, output: torch.Tensor, input: torch.Tensor):
         work = self._pg.alltoall_base(output, input, [], [], dist.AllToAllOptions())
-        return lambda: self._run("all_to_all", work)
+        return lambda: self._run(call, "all_to_all", work)
 
-    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
+    def all_to_all_v(self, call: Call, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
         input_splits, output_splits = self.splits(sends)
         work = self._pg.alltoall_base(output, input, output_splits, input_splits, dist.AllToAllOptions())
-        self._run("all_to_all", work)
+        self._run(call, "all_to_all", work)
 
-    def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
+    def gather(self, call: Call, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
         # gloo's own: only the root receives (the default all_gather sends every rank everything)
         opts = dist.GatherOptions()
         opts.rootRank = root
         outputs = [list(output.view(self.world_size, -1))] if output is not None else []
-        self._run("gather", self._pg.gather(outputs, [input], opts))
+        self._run(call, "gather", self._pg.gather(outputs, [input], opts))
 
-    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
+    def scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
         # gloo's own: each rank receives its block only (the default broadcasts the root's whole input)
         opts = dist.ScatterOptions()
         opts.rootRank = root
         if input is not None and overlap(input, output):  # gloo writes the root's block while it still sends the others
             input = input.clone()
         inputs = [list(input.view(self.world_size, -1))] if input is not None else []
-        self._run("scatter", self._pg.scatter([output], inputs, opts))
+        self._run(call, "scatter", self._pg.scatter([output], inputs, opts))
 
-    def barrier(self) -> None:
-        self._run("barrier", self._pg.barrier(dist.BarrierOptions()))
+    def barrier(self, call: Call) -> None:
+        self._run(call, "barrier", self._pg.barrier(dist.BarrierOptions()))
 
-    def send_async(self, tensor: torch.Tensor, dst: int, tag: int):
+    def send_async(self, call: Call, tensor: torch.Tensor, dst: int, tag: int):
         """Start sending ``tensor`` to rank ``dst``, matched by ``tag`` with its recv_async (a
         step of a collective: the hierarchical broadcast's chain); returns its wait."""
-        return self._waited_aside("send", self._pg.send([tensor], dst, tag))
+        return self._waited_aside(call, "send", self._pg.send([tensor], dst, tag))
 
-    def recv_async(self, tensor: torch.Tensor, src: int, tag: int):
-        return self._waited_aside("recv", self._pg.recv([tensor], src, tag))
+    def recv_async(self, call: Call, tensor: torch.Tensor, src: int, tag: int):
+        return self._waited_aside(call, "recv", self._pg.recv([tensor], src, tag))
 
-    def _waited_aside(self, op: str, work):
+    def _waited_aside(self, call: Call, op: str, work):
         """A wait for gloo send or recv work, which cannot be waited in slices as collectives are:
         gloo fails a pair whose bounded wait ran out ("Timed out waiting 50ms for recv"), and its
         is_completed() stays False until wait() returns. So a thread waits for it unbounded (gloo
@@ -222,7 +224,7 @@ class GlooTransport(Transport):
 
         def wait() -> None:
             try:
-                self._wait(op, work, None)
+                self._wait(call, op, work, None)
             except Exception as exc:  # handed to the caller's wait
                 failure.append(exc)
             finally:
@@ -233,7 +235,7 @@ class GlooTransport(Transport):
         def finish() -> None:
             while not ended.wait(POLL_S):
                 if self.refusals is not None:
-                    self.refusals.raise_if_told(self.call_index, self.where(op))
+                    self.refusals.raise_if_told(call.index, self.where(call, op))
             if failure:
                 raise failure[0]
         return finish

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import LOW_PRECISION, RedOp, as_sum
+from ..call import Call
 from .base import Transport
 from .gloo import GlooTransport
 from .refusals import RefusalBoard
@@ -88,10 +89,13 @@ class HierarchicalTransport(Transport):
     # (_averaged_in_host); bfloat16 has float32's range and sends its host sums, as a SUM does.
     reduce_scatters_16_bit = frozenset(LOW_PRECISION)
     all_reduces_16_bit_avg = frozenset(LOW_PRECISION)
-    _calling: list[int] | None = None  # behind the ``calling`` property
 
     def __init__(self, store, rank: int, world_size: int, topology: Topology, intra_factory, timeout, config) -> None:
-        super().__init__(rank, world_size)
+        # A refusal of one of this group's calls is posted under the group's call index, and every
+        # part looks for it there, so a rank waiting in any of them hears of it: a peer on another
+        # host refusing the call (in gloo), or a peer on this host waiting in shared memory for a
+        # rank that raised when it heard of a refusal.
+        super().__init__(rank, world_size, refusals=RefusalBoard(store, rank, world_size, timeout))
         self.topo = topology
         self.node = topology.node_of[rank]
         self.local_rank = topology.local[self.node].index(rank)
@@ -102,52 +106,19 @@ class HierarchicalTransport(Transport):
         self.wire = getattr(torch, config.inter_node_wire_dtype) if config.inter_node_wire_dtype else None
         self.exact_16bit_sums = config.inter_node_accumulate == "float32"
         self.debug = config.debug
-        self.intra = intra_factory(dist.PrefixStore(f"intra{self.node}", store), self.local_rank, self.per_node)
+        # the parts' errors name the rank the user knows, not the part's, and shm's messages name
+        # peers (gloo's name none)
+        shown = dict(refusals=self.refusals, shown_as=(rank, world_size))
+        self.intra = intra_factory(dist.PrefixStore(f"intra{self.node}", store), self.local_rank, self.per_node,
+                                   role="within the host", peers_shown=topology.local[self.node], **shown)
         self.inter = GlooTransport(dist.PrefixStore(f"inter{self.local_rank}", store), self.node, self.nodes, timeout,
-                                   config.scratch_max_bytes)
-        self.flat = GlooTransport(dist.PrefixStore("flat", store), rank, world_size, timeout, config.scratch_max_bytes)
+                                   config.scratch_max_bytes, role="between hosts", **shown)
+        self.flat = GlooTransport(dist.PrefixStore("flat", store), rank, world_size, timeout, config.scratch_max_bytes,
+                                  **shown)
         # (L, N): for each local index j, the ranks with that index, host by host; the order in
         # which the inter-host groups' blocks sit after the step inside the host
         self.by_local_index = [topology.local[k][j] for j in range(self.per_node) for k in range(self.nodes)]
         self._logged: set[tuple[str, bool, bool]] = set()
-        # A refusal of one of this group's calls is posted under the group's call index, and every
-        # part looks for it there, so a rank waiting in any of them hears of it: a peer on another
-        # host refusing the call (in gloo), or a peer on this host waiting in shared memory for a
-        # rank that raised when it heard of a refusal.
-        self.refusals = RefusalBoard(store, rank, world_size, timeout)
-        for part in (self.intra, self.inter, self.flat):
-            part.refusals = self.refusals
-            part.shown_as = (rank, world_size)  # errors name the rank the user knows, not the part's
-        self.intra.role, self.inter.role = "within the host", "between hosts"
-        self.intra.peers_shown = topology.local[self.node]  # shm's messages name peers (gloo's name none)
-
-    def begin_call(self, call: int, op: str) -> None:
-        # each part waits, and looks for refusals, in the group's call, and its errors name it
-        super().begin_call(call, op)
-        for part in (self.intra, self.inter, self.flat):
-            part.begin_call(call, op)
-
-    @property
-    def carrying(self) -> torch.dtype | None:
-        return self.intra.carrying
-
-    @carrying.setter
-    def carrying(self, dtype: torch.dtype | None) -> None:
-        # the step inside the host (shm) checks headers: it must name the user's dtype too, so
-        # that ranks of one host passing float8 and uint8 of one size are told (gloo's parts
-        # check no headers)
-        self.intra.carrying = dtype
-
-    @property
-    def calling(self) -> list[int] | None:
-        return self._calling
-
-    @calling.setter
-    def calling(self, signature: list[int] | None) -> None:
-        # the step inside the host publishes the user's call beside its own: ranks of one host
-        # whose calls differ are told what they called, not which steps those start with (a
-        # host of one rank has no shared memory; the attribute is then unread)
-        self._calling = self.intra.shown_call = signature
 
     def _hierarchical(self, op: str, nbytes: int, sums: torch.dtype | None = None) -> bool:
         """Whether a call takes the hierarchical path (else gloo over all ranks).
@@ -175,9 +146,9 @@ class HierarchicalTransport(Transport):
         return use
 
     # all_reduce ---------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
+    def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:
         if not self._hierarchical("all_reduce", tensor.numel() * tensor.element_size(), tensor.dtype):
-            return self._flat_all_reduce(tensor, op)
+            return self._flat_all_reduce(call, tensor, op)
         # AVG (16-bit only: all_reduces_16_bit_avg) is a SUM whose step between hosts divides in
         # float32 before its rounding; each host's sum (float16: mean) is rounded once on the way
         in_host, op, divide_by = self._averaged_in_host(op, tensor.dtype)
@@ -186,9 +157,9 @@ class HierarchicalTransport(Transport):
         started = []
         for start in range(0, n, piece):
             part = tensor[start : start + piece]
-            padded, shard = self._reduce_in_host(part, in_host)
-            started.append((self._start_inter_all_reduce(shard, op, divide_by),
-                            lambda total, part=part, padded=padded: self._gather_in_host(part, padded, total)))
+            padded, shard = self._reduce_in_host(call, part, in_host)
+            started.append((self._start_inter_all_reduce(call, shard, op, divide_by),
+                            lambda total, part=part, padded=padded: self._gather_in_host(call, part, padded, total)))
         _end_in_start_order(started)
 
     def _averaged_in_host(self, op: RedOp, dtype: torch.dtype) -> tuple[RedOp, RedOp, int | None]:
@@ -205,25 +176,25 @@ class HierarchicalTransport(Transport):
         summed, divide_by = as_sum(op, self.world_size)
         return summed, summed, divide_by
 
-    def _reduce_in_host(self, tensor: torch.Tensor, op: RedOp) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reduce_in_host(self, call: Call, tensor: torch.Tensor, op: RedOp) -> tuple[torch.Tensor, torch.Tensor]:
         """(``tensor`` padded to L equal shards, this rank's shard summed over its host)."""
         n, L = tensor.numel(), self.per_node
         s = math.ceil(n / L)
         padded = tensor if n == s * L else torch.cat([tensor, tensor.new_zeros(s * L - n)])
         shard = torch.empty(s, dtype=tensor.dtype)
-        self.intra.reduce_scatter(shard, padded, op)
+        self.intra.reduce_scatter(call, shard, padded, op)
         return padded, shard
 
-    def _gather_in_host(self, tensor: torch.Tensor, padded: torch.Tensor, total: torch.Tensor) -> None:
+    def _gather_in_host(self, call: Call, tensor: torch.Tensor, padded: torch.Tensor, total: torch.Tensor) -> None:
         """All-gather each local rank's ``total`` (its shard's sum over all hosts) into ``tensor``;
         a ``total`` in a 16-bit wire dtype is gathered as it is and widened once at the end."""
         if total.dtype != padded.dtype:
             padded = torch.empty(padded.numel(), dtype=total.dtype)
-        self.intra.all_gather(padded, total)
+        self.intra.all_gather(call, padded, total)
         if padded is not tensor:
             tensor.copy_(padded[: tensor.numel()])
 
-    def _start_inter_all_reduce(self, shard: torch.Tensor, op: RedOp,
+    def _start_inter_all_reduce(self, call: Call, shard: torch.Tensor, op: RedOp,
                                 divide_by: int | None = None) -> Callable[[], torch.Tensor]:
         """Start reducing ``shard`` with the same-index ranks of the other hosts; returns the
         function that waits and returns the result: ``shard`` itself, or the sums as they came
@@ -234,10 +205,10 @@ class HierarchicalTransport(Transport):
         if divide_by is not None:
             # gloo's ring would round the sum before the division could happen; the exchange of
             # _start_compressed_sum sums in float32 on one rank per slice, which can divide first
-            return self._start_compressed_sum(shard, shard.dtype, divide_by)
+            return self._start_compressed_sum(call, shard, shard.dtype, divide_by)
         if op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
             if self.nodes > 2 and self.exact_16bit_sums:
-                return self._start_compressed_sum(shard, wire)
+                return self._start_compressed_sum(call, shard, wire)
             # two hosts: one addition per element, which gloo's own ring rounds to the wire dtype
             # once, exactly as a float32 sum rounded at the end; and its ring pipelines sending
             # with adding, where the all-to-all + all-gather of _start_compressed_sum run as two
@@ -248,7 +219,7 @@ class HierarchicalTransport(Transport):
             on_wire = shard.float()
         else:
             on_wire = shard
-        wait = self.inter.all_reduce_async(on_wire, op)
+        wait = self.inter.all_reduce_async(call, on_wire, op)
 
         def finish() -> torch.Tensor:
             wait()
@@ -260,7 +231,7 @@ class HierarchicalTransport(Transport):
 
         return finish
 
-    def _start_compressed_sum(self, shard: torch.Tensor, wire: torch.dtype,
+    def _start_compressed_sum(self, call: Call, shard: torch.Tensor, wire: torch.dtype,
                               divide_by: int | None = None) -> Callable[[], torch.Tensor]:
         """Sum ``shard`` across hosts with ``wire`` on the network and float32 arithmetic: an
         all-to-all of wire-dtype slices (started now), then each host sums one slice (and
@@ -274,7 +245,7 @@ class HierarchicalTransport(Transport):
             send = torch.zeros(N * sub, dtype=wire)
             send[:s].copy_(shard)
         slices = torch.empty(N * sub, dtype=wire)
-        exchanged = self.inter.all_to_all_async(slices, send)  # block q: host q's values of my slice
+        exchanged = self.inter.all_to_all_async(call, slices, send)  # block q: host q's values of my slice
 
         def finish() -> torch.Tensor:
             exchanged()
@@ -284,26 +255,26 @@ class HierarchicalTransport(Transport):
             if divide_by is not None:
                 total.div_(divide_by)
             gathered = slices  # consumed above: reuse it for the sums
-            self.inter.all_gather(gathered, total.to(wire))
+            self.inter.all_gather(call, gathered, total.to(wire))
             return gathered[:s]
 
         return finish
 
-    def _flat_all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
+    def _flat_all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:
         if tensor.dtype in LOW_PRECISION:  # widened, as in _start_inter_all_reduce
             wide = tensor.float()
             summed_op, divide_by = as_sum(op, self.world_size)
-            self.flat.all_reduce(wide, summed_op)
+            self.flat.all_reduce(call, wide, summed_op)
             if divide_by is not None:
                 wide.div_(divide_by)
             tensor.copy_(wide)
         else:
-            self.flat.all_reduce(tensor, op)
+            self.flat.all_reduce(call, tensor, op)
 
     # all_gather / reduce_scatter -----------------------------------------------------------------
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_gather(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         if not self._hierarchical("all_gather", output.numel() * output.element_size()):
-            return self.flat.all_gather(output, input)
+            return self.flat.all_gather(call, output, input)
         m, N = input.numel(), self.nodes
         # Between hosts first: each rank gathers the inputs of the ranks with its local index, one
         # per host, so each host's link carries every other host's data once. (Gathering the
@@ -316,9 +287,9 @@ class HierarchicalTransport(Transport):
         started = []
         for columns in self._pieces(m, input.element_size()):
             across = torch.empty(N * (columns.stop - columns.start), dtype=input.dtype)  # (N, width)
-            started.append((self.inter.all_gather_async(across, input[columns]),
+            started.append((self.inter.all_gather_async(call, across, input[columns]),
                             lambda _, columns=columns, across=across:
-                            self._gather_in_host_in_rank_order(rows[:, columns], across)))
+                            self._gather_in_host_in_rank_order(call, rows[:, columns], across)))
         _end_in_start_order(started)
 
     def _pieces(self, m: int, element_size: int) -> list[slice]:
@@ -327,7 +298,7 @@ class HierarchicalTransport(Transport):
         width = max(1, self.chunk_bytes // element_size // self.world_size)
         return [slice(start, min(m, start + width)) for start in range(0, m, width)]
 
-    def _gather_in_host_in_rank_order(self, rows: torch.Tensor, across: torch.Tensor) -> None:
+    def _gather_in_host_in_rank_order(self, call: Call, rows: torch.Tensor, across: torch.Tensor) -> None:
         """Gather every local rank's ``across`` (its same-index peers' values, host by host) and
         put them into ``rows`` (world_size, width), one row per rank."""
         width = rows.shape[1]
@@ -335,15 +306,15 @@ class HierarchicalTransport(Transport):
             rows[self.by_local_index] = across.view(self.nodes, width)
             return
         gathered = torch.empty(self.world_size * width, dtype=across.dtype)  # (L, N, width)
-        self.intra.all_gather(gathered, across)
+        self.intra.all_gather(call, gathered, across)
         rows[self.by_local_index] = gathered.view(self.world_size, width)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+    def reduce_scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         # AVG (16-bit only: reduce_scatters_16_bit) is a SUM whose last, float32 step divides
         # before rounding; each host's sum (float16: mean) is rounded once on the way, as in a SUM
         if not self._hierarchical("reduce_scatter", input.numel() * input.element_size(), input.dtype):
             op, divide_by = as_sum(op, self.world_size)
-            return self.flat.reduce_scatter(output, input, op, accumulate=_float32_for_16_bit(input),
+            return self.flat.reduce_scatter(call, output, input, op, accumulate=_float32_for_16_bit(input),
                                             divide_by=divide_by)
         in_host, op, divide_by = self._averaged_in_host(op, input.dtype)
         m, N = output.numel(), self.nodes
@@ -355,9 +326,9 @@ class HierarchicalTransport(Transport):
         for columns in self._pieces(m, input.element_size()):
             grouped = blocks[self.by_local_index, columns].reshape(-1)  # a copy: the piece, in (L, N) order
             host_sums = torch.empty(N * (columns.stop - columns.start), dtype=input.dtype)
-            self.intra.reduce_scatter(host_sums, grouped, in_host)  # my index's blocks, summed over my host
+            self.intra.reduce_scatter(call, host_sums, grouped, in_host)  # my index's blocks, summed over my host
             sent = self._reduce_scatter_wire(host_sums, op)
-            started.append((self.inter.reduce_scatter_async(output[columns], sent, op, divide_by=divide_by,
+            started.append((self.inter.reduce_scatter_async(call, output[columns], sent, op, divide_by=divide_by,
                                                             accumulate=_float32_for_16_bit(sent)), None))
         _end_in_start_order(started)
 
@@ -372,7 +343,7 @@ class HierarchicalTransport(Transport):
         return host_sums
 
     # broadcast -----------------------------------------------------------------------------------
-    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+    def broadcast(self, call: Call, tensor: torch.Tensor, root: int) -> None:
         """The root's host shares the tensor in shared memory, then each of its L ranks sends its
         1/L of it to the ranks of its local index on the other hosts, and each other host
         all-gathers the L parts. gloo's own broadcast (a binomial tree over ranks, blind to
@@ -384,7 +355,7 @@ class HierarchicalTransport(Transport):
         (``_chains``): the tree's root host sends each piece once per round (log2 N rounds), the
         chain's hosts each send it once, a host forwarding a piece as soon as it has it."""
         if not self._hierarchical("broadcast", tensor.numel() * tensor.element_size()):
-            return self.flat.broadcast(tensor, root)
+            return self.flat.broadcast(call, tensor, root)
         root_node, L = self.topo.node_of[root], self.per_node
         sends = self.node == root_node
         piece = max(L, self.chunk_bytes // tensor.element_size() // L * L)  # whole parts per piece
@@ -402,19 +373,19 @@ class HierarchicalTransport(Transport):
             size = math.ceil(chunk.numel() / L)  # each local rank's part; the last may be short or empty
             mine = chunk[self.local_rank * size : (self.local_rank + 1) * size]
             if sends and L > 1:
-                self.intra.broadcast(chunk, self.topo.local[root_node].index(root))
+                self.intra.broadcast(call, chunk, self.topo.local[root_node].index(root))
             if sends or L == 1:  # sent from, or received straight into, the caller's tensor
                 part, then = mine, None
             else:
                 part = torch.empty(size, dtype=tensor.dtype)
-                then = lambda _, chunk=chunk, part=part, size=size: self._gather_parts(chunk, part, size)
+                then = lambda _, chunk=chunk, part=part, size=size: self._gather_parts(call, chunk, part, size)
             # a part is empty on every host alike (same numel), so skipping it keeps gloo's order
             if not mine.numel():
                 wait = lambda: None
             elif chain:
-                wait = self._chain_link(part[: mine.numel()], root_node, index, forwarded)
+                wait = self._chain_link(call, part[: mine.numel()], root_node, index, forwarded)
             else:
-                wait = self.inter.broadcast_async(part[: mine.numel()], root_node)
+                wait = self.inter.broadcast_async(call, part[: mine.numel()], root_node)
             started.append((wait, then))
         try:
             _end_in_start_order(started)
@@ -429,7 +400,7 @@ class HierarchicalTransport(Transport):
         Between two hosts both are one send; on 4 hosts a chain wins from 3 pieces."""
         return self.nodes > 2 and pieces + self.nodes - 2 < pieces * math.ceil(math.log2(self.nodes))
 
-    def _chain_link(self, part: torch.Tensor, root_node: int, index: int, forwarded: list) -> Callable[[], None]:
+    def _chain_link(self, call: Call, part: torch.Tensor, root_node: int, index: int, forwarded: list) -> Callable[[], None]:
         """Start this host's link of the chain that carries piece ``index``'s ``part`` from the
         root's host through the others in host order; returns its wait. The root's host sends; a
         host in the middle receives, and in that wait starts sending it on (its wait goes to
@@ -437,60 +408,60 @@ class HierarchicalTransport(Transport):
         N = self.nodes
         after, before = (self.node + 1) % N, (self.node - 1) % N
         if self.node == root_node:
-            return self.inter.send_async(part, after, index)
-        received = self.inter.recv_async(part, before, index)
+            return self.inter.send_async(call, part, after, index)
+        received = self.inter.recv_async(call, part, before, index)
         if after == root_node:
             return received
 
         def wait() -> None:
             received()
-            forwarded.append(self.inter.send_async(part, after, index))
+            forwarded.append(self.inter.send_async(call, part, after, index))
         return wait
 
-    def _gather_parts(self, chunk: torch.Tensor, part: torch.Tensor, size: int) -> None:
+    def _gather_parts(self, call: Call, chunk: torch.Tensor, part: torch.Tensor, size: int) -> None:
         """All-gather the L local ranks' parts (``size`` elements each, the last ones possibly
         padding) of ``chunk`` inside the host."""
         whole = chunk if chunk.numel() == size * self.per_node else torch.empty(size * self.per_node, dtype=chunk.dtype)
-        self.intra.all_gather(whole, part)
+        self.intra.all_gather(call, whole, part)
         if whole is not chunk:
             chunk.copy_(whole[: chunk.numel()])
 
     # barrier -------------------------------------------------------------------------------------
-    def barrier(self) -> None:
+    def barrier(self, call: Call) -> None:
         """Inside the host, then between hosts among each host's first rank, then inside the host
         again: once the first ranks have met, every rank of every host has entered, and the second
         step inside the host holds the others until then. gloo's barrier over all N L ranks
         exchanges messages among all of them across the hosts' links."""
         if not self._hierarchical("barrier", 0):
-            return self.flat.barrier()
-        self.intra.barrier()
+            return self.flat.barrier(call, )
+        self.intra.barrier(call, )
         if self.local_rank == 0:
-            self.inter.barrier()
-        self.intra.barrier()
+            self.inter.barrier(call, )
+        self.intra.barrier(call, )
 
     # the rest is flat ----------------------------------------------------------------------------
 
-    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
+    def reduce(self, call: Call, tensor: torch.Tensor, root: int, op: RedOp) -> None:
         if tensor.dtype in LOW_PRECISION:
             wide = tensor.float()
-            self.flat.reduce(wide, root, op)
+            self.flat.reduce(call, wide, root, op)
             if self.rank == root:
                 tensor.copy_(wide)
         else:
-            self.flat.reduce(tensor, root, op)
+            self.flat.reduce(call, tensor, root, op)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.flat.all_to_all(output, input)
+    def all_to_all(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.flat.all_to_all(call, output, input)
 
-    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
-        self.flat.all_to_all_v(output, input, sends)
+    def all_to_all_v(self, call: Call, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
+        self.flat.all_to_all_v(call, output, input, sends)
 
     # gloo's own gather and scatter: only the root receives, or each rank its block
-    def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
-        self.flat.gather(output, input, root)
+    def gather(self, call: Call, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
+        self.flat.gather(call, output, input, root)
 
-    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
-        self.flat.scatter(output, input, root)
+    def scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
+        self.flat.scatter(call, output, input, root)
 
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import RedOp
+from ..call import Call
 from .base import Transport
 
 
@@ -14,35 +15,35 @@ class LocalTransport(Transport):
     runs_inline = True
     checks_signatures = True  # nobody to disagree with
 
-    def __init__(self) -> None:
-        super().__init__(0, 1)
+    def __init__(self, **shown) -> None:
+        super().__init__(0, 1, **shown)
 
-    def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
+    def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:
         return  # the only contribution is already in place
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+    def broadcast(self, call: Call, tensor: torch.Tensor, root: int) -> None:
         return  # the root is this rank
 
-    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
+    def reduce(self, call: Call, tensor: torch.Tensor, root: int, op: RedOp) -> None:
         return  # the only contribution is already in place
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_gather(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         output.copy_(input)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+    def reduce_scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         output.copy_(input)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_to_all(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         output.copy_(input)
 
-    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
+    def all_to_all_v(self, call: Call, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
         output.copy_(input)
 
-    def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
+    def gather(self, call: Call, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
         output.copy_(input)
 
-    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
+    def scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
         output.copy_(input)
 
-    def barrier(self) -> None:
+    def barrier(self, call: Call) -> None:
         return  # nobody to wait for

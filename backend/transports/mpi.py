@@ -14,6 +14,7 @@ import torch
 
 from ..errors import PeerFailureError, where
 from ..ops import RedOp
+from ..call import Call
 from .base import Transport, block_offsets, overlap
 from .mpi_environment import cma_requested_where_blocked, import_mpi
 from .refusals import POLL_S
@@ -54,8 +55,8 @@ def _unaliased(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 class MPITransport(Transport):
     name = "mpi"
 
-    def __init__(self, rank: int, world_size: int, global_ranks: list[int] | None, timeout, store) -> None:
-        super().__init__(rank, world_size)
+    def __init__(self, rank: int, world_size: int, global_ranks: list[int] | None, timeout, store, **shown) -> None:
+        super().__init__(rank, world_size, **shown)
         MPI = _mpi()
         self._MPI = MPI
         self.timeout_s = timeout.total_seconds()
@@ -79,23 +80,23 @@ class MPITransport(Transport):
         if self.comm.Get_rank() != rank:
             raise RuntimeError(f"{where(rank, world_size, 'init')} MPI rank {self.comm.Get_rank()} != group rank")
 
-    def _run(self, op: str, start) -> None:
+    def _run(self, call: Call, op: str, start) -> None:
         """Start a non-blocking MPI call (``start()`` returns its request) and wait for it. An MPI
         error on this rank is announced to the peers (refusals.RefusalBoard.announce_failure),
         which would otherwise wait in the call until the timeout, and raised with what to do."""
         try:
-            self._wait(op, start())
+            self._wait(call, op, start())
         except self._MPI.Exception as exc:
             message = f"MPI failed: {exc}".rstrip()
             if self.refusals is not None:
-                self.refusals.announce_failure(self.call_index, f"{op}: {message}")
+                self.refusals.announce_failure(call.index, f"{op}: {message}")
             hint = (" MPICH was told to copy between ranks with process_vm_readv (MPIR_CVAR_CH4_CMA_ENABLE), "
                     "which this process may not call (a container without CAP_SYS_PTRACE?): unset that variable "
                     "to let smddp_lite turn it off, or run the container with --cap-add SYS_PTRACE."
                     if cma_requested_where_blocked() else "")
-            raise PeerFailureError(f"{self.where(op)} {message}.{hint}") from exc
+            raise PeerFailureError(f"{self.where(call, op)} {message}.{hint}") from exc
 
-    def _wait(self, op: str, request) -> None:
+    def _wait(self, call: Call, op: str, request) -> None:
         """Drive ``request`` to completion, raising once the group's timeout passes.
 
         MPICH advances a non-blocking collective only inside MPI calls, so polls must be frequent:
@@ -112,11 +113,11 @@ class MPITransport(Transport):
                 continue
             time.sleep(_SLEEP_S)
             if self.refusals is not None and now >= next_check:  # a peer that refused this call never enters it
-                self.refusals.raise_if_told(self.call_index, self.where(op))
+                self.refusals.raise_if_told(call.index, self.where(call, op))
                 next_check = now + POLL_S
             if waited > self.timeout_s:
                 raise PeerFailureError(
-                    f"{self.where(op)} MPI collective did not complete within "
+                    f"{self.where(call, op)} MPI collective did not complete within "
                     f"the process group timeout ({self.timeout_s:g} s); a peer may be stuck or "
                     "calling a different collective"
                 )
@@ -124,59 +125,59 @@ class MPITransport(Transport):
     def _op(self, op: RedOp):
         return getattr(self._MPI, _MPI_OP[op])
 
-    def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
+    def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:
         flat = tensor.view(-1)  # the algorithms layer hands transports contiguous tensors
         step = max(1, _ALL_REDUCE_PIECE_BYTES // max(1, flat.element_size()))
         for start in range(0, max(1, flat.numel()), step):
             piece = flat[start : start + step]
-            self._run("all_reduce", lambda: self.comm.Iallreduce(self._MPI.IN_PLACE, _buf(piece), self._op(op)))
+            self._run(call, "all_reduce", lambda: self.comm.Iallreduce(self._MPI.IN_PLACE, _buf(piece), self._op(op)))
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        self._run("broadcast", lambda: self.comm.Ibcast(_buf(tensor), root=root))
+    def broadcast(self, call: Call, tensor: torch.Tensor, root: int) -> None:
+        self._run(call, "broadcast", lambda: self.comm.Ibcast(_buf(tensor), root=root))
 
-    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
+    def reduce(self, call: Call, tensor: torch.Tensor, root: int, op: RedOp) -> None:
         buf = _buf(tensor)
         send = self._MPI.IN_PLACE if self.rank == root else buf
         receive = buf if self.rank == root else None
-        self._run("reduce", lambda: self.comm.Ireduce(send, receive, self._op(op), root=root))
+        self._run(call, "reduce", lambda: self.comm.Ireduce(send, receive, self._op(op), root=root))
 
     # MPI refuses aliased send and receive buffers ("Buffers must not be aliased"), which torch's
     # in-place forms produce: all_gather passes MPI_IN_PLACE, the others send from a copy.
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_gather(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         in_place = _in_place(input, output, self.rank * input.numel())
         send = self._MPI.IN_PLACE if in_place else _buf(_unaliased(input, output))
-        self._run("all_gather", lambda: self.comm.Iallgather(send, _buf(output)))
+        self._run(call, "all_gather", lambda: self.comm.Iallgather(send, _buf(output)))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+    def reduce_scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         send = _buf(_unaliased(input, output))
-        self._run("reduce_scatter", lambda: self.comm.Ireduce_scatter_block(send, _buf(output), self._op(op)))
+        self._run(call, "reduce_scatter", lambda: self.comm.Ireduce_scatter_block(send, _buf(output), self._op(op)))
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self._run("all_to_all", lambda: self.comm.Ialltoall(_buf(_unaliased(input, output)), _buf(output)))
+    def all_to_all(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._run(call, "all_to_all", lambda: self.comm.Ialltoall(_buf(_unaliased(input, output)), _buf(output)))
 
-    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
+    def all_to_all_v(self, call: Call, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
         input_splits, output_splits = self.splits(sends)
         send = [_buf(_unaliased(input, output)), (input_splits, block_offsets(input_splits))]
         receive = [_buf(output), (output_splits, block_offsets(output_splits))]
-        self._run("all_to_all", lambda: self.comm.Ialltoallv(send, receive))
+        self._run(call, "all_to_all", lambda: self.comm.Ialltoallv(send, receive))
 
-    def all_gather_v(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int]) -> None:
+    def all_gather_v(self, call: Call, output: torch.Tensor, input: torch.Tensor, sizes: list[int]) -> None:
         offsets = block_offsets(sizes)
         send = self._MPI.IN_PLACE if _in_place(input, output, offsets[self.rank]) else _buf(_unaliased(input, output))
         receive = [_buf(output), (list(sizes), offsets)]
-        self._run("all_gather", lambda: self.comm.Iallgatherv(send, receive))
+        self._run(call, "all_gather", lambda: self.comm.Iallgatherv(send, receive))
 
-    def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
+    def gather(self, call: Call, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
         in_place = self.rank == root and _in_place(input, output, root * input.numel())
         send = self._MPI.IN_PLACE if in_place else _buf(input if output is None else _unaliased(input, output))
-        self._run("gather", lambda: self.comm.Igather(send, None if output is None else _buf(output), root=root))
+        self._run(call, "gather", lambda: self.comm.Igather(send, None if output is None else _buf(output), root=root))
 
-    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
+    def scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
         send = None if input is None else _buf(_unaliased(input, output))
-        self._run("scatter", lambda: self.comm.Iscatter(send, _buf(output), root=root))
+        self._run(call, "scatter", lambda: self.comm.Iscatter(send, _buf(output), root=root))
 
-    def barrier(self) -> None:
-        self._run("barrier", lambda: self.comm.Ibarrier())
+    def barrier(self, call: Call) -> None:
+        self._run(call, "barrier", lambda: self.comm.Ibarrier())
 
     def close(self) -> None:
         if getattr(self, "comm", None) is not None and not self._MPI.Is_finalized():

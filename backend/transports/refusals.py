@@ -88,7 +88,7 @@ class RefusalBoard:
     """The keys of one process group's refused calls, failures and mismatched calls, in that
     group's store."""
 
-    def __init__(self, store, rank: int, world_size: int, timeout: timedelta) -> None:
+    def __init__(self, store, rank: int, world_size: int, timeout: timedelta, hears_failures: bool = False) -> None:
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         # ``store`` is the process group's own part of the store (process_group._own_keys): a
         # group destroyed and made again under the same prefix numbers its calls from 1 again,
@@ -99,7 +99,7 @@ class RefusalBoard:
         self._settled = 0  # the latest refused call this rank refused too or recorded that it left
         self._step: tuple[int, int, list[int]] | None = None  # (call, step, signature) being waited in
         self._step_compared = True  # whether that step's signature was compared already
-        self.hears_failures = False
+        self.hears_failures = hears_failures
         """Whether waits also look for a failure announced in any call (announce_failure): one
         more store round trip whenever NEWS_KEY moved, so only transports whose failures can stay
         on one rank (MPI) turn it on."""

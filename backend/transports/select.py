@@ -120,18 +120,18 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
     if name == "hierarchical":
         from .hierarchical import HierarchicalTransport
 
-        def intra(sub_store, sub_rank, sub_size):
+        def intra(sub_store, sub_rank, sub_size, **shown):
             if sub_size == 1:
                 from .local import LocalTransport
 
-                return LocalTransport()
+                return LocalTransport(**shown)
             if _shm_possible():
                 from .shm import ShmTransport
 
-                return ShmTransport(sub_store, sub_rank, sub_size, config.shm_chunk_bytes, timeout)
+                return ShmTransport(sub_store, sub_rank, sub_size, config.shm_chunk_bytes, timeout, **shown)
             from .gloo import GlooTransport
 
-            return GlooTransport(sub_store, sub_rank, sub_size, timeout, config.scratch_max_bytes)
+            return GlooTransport(sub_store, sub_rank, sub_size, timeout, config.scratch_max_bytes, **shown)
 
         return HierarchicalTransport(store, rank, world_size, Topology(hosts), intra, timeout, config), reason
     if name == "mpi":
@@ -141,13 +141,12 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
             )
         from .mpi import MPITransport
 
-        transport = MPITransport(rank, world_size, global_ranks, timeout, store)
-    else:
-        from .gloo import GlooTransport
+        # an MPI error can stay on the rank that had it: peers hear of it on the board
+        return MPITransport(rank, world_size, global_ranks, timeout, store,
+                            refusals=RefusalBoard(store, rank, world_size, timeout, hears_failures=True)), reason
+    from .gloo import GlooTransport
 
-        transport = GlooTransport(store, rank, world_size, timeout, config.scratch_max_bytes)
     # gloo's and MPI's waits hear of a peer's refusal or different call only through the store
     # (shared memory has flags of its own; the hierarchical transport makes one for its parts)
-    transport.refusals = RefusalBoard(store, rank, world_size, timeout)
-    transport.refusals.hears_failures = name == "mpi"  # an MPI error can stay on the rank that had it
-    return transport, reason
+    return GlooTransport(store, rank, world_size, timeout, config.scratch_max_bytes,
+                         refusals=RefusalBoard(store, rank, world_size, timeout)), reason

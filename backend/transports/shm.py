@@ -19,6 +19,7 @@ import torch
 
 from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum, dtype_of_code, moved_as_bytes, signature_code
 from ..signatures import OPS, REDUCE_ROOT_FACTOR
+from ..call import Call
 from .base import Transport, block_offsets
 from .shm_segment import ShmSegment
 
@@ -45,16 +46,12 @@ class ShmTransport(Transport):
     all_reduces_16_bit_avg = frozenset(LOW_PRECISION)
     runs_inline = True
     checks_signatures = True
-    shown_call: list[int] | None = None
-    """The signature of the user's call whose step this transport runs, published in its headers
-    beside the step's own (the hierarchical transport sets it): ranks of one host that called
-    different collectives are told what they called, an all_reduce and a barrier, not the
-    reduce_scatter step the all_reduce starts with."""
 
-    def __init__(self, store, rank: int, world_size: int, chunk_bytes: int, timeout) -> None:
-        super().__init__(rank, world_size)
-        self.seg = ShmSegment(store, rank, world_size, chunk_bytes, timeout)
-        self.seg.refused = self._refusal
+    def __init__(self, store, rank: int, world_size: int, chunk_bytes: int, timeout, **shown) -> None:
+        super().__init__(rank, world_size, **shown)
+        # the segment writes most of this transport's errors: it names ranks as this one does
+        self.seg = ShmSegment(store, rank, world_size, chunk_bytes, timeout, shown_as=self.shown_as,
+                              peers_shown=self.peers_shown, refused=self._refusal)
         self.seq = 0
         self.step = 0
         # float32 accumulator for 16-bit reductions: one chunk's worth of elements.
@@ -62,13 +59,17 @@ class ShmTransport(Transport):
         self._scratch = torch.empty(chunk_bytes, dtype=torch.uint8)
 
     # protocol helpers --------------------------------------------------------------------------
-    def _begin(self, op: str, dtype: torch.dtype | None, numel: int, arg: int) -> tuple[int, ...]:
+    def _begin(self, call: Call, op: str, dtype: torch.dtype | None, numel: int, arg: int) -> tuple[int, ...]:
         if self.seg.broken:
             self.seg._fail("an earlier collective failed on this rank")
         self.seq += 1
-        self.seg.current_call, self.seg.op_shown = self.call_index, self.shown_op(op)
-        code = signature_code(self.carrying or dtype) if dtype else 0
-        header = (self.seq, self.call_index, OPS[op], code, numel, arg, *(self.shown_call or _NO_CALL_SHOWN))
+        self.seg.entering(call.index, self.shown_op(call, op))
+        code = signature_code(call.carrying or dtype) if dtype else 0
+        # as a hierarchical transport's host part, the user's call is published beside the
+        # step's own: ranks of one host that called different collectives are told what they
+        # called (an all_reduce and a barrier), not the reduce_scatter step the all_reduce starts with
+        shown_call = call.signature if self.shown_as is not None and call.signature else _NO_CALL_SHOWN
+        header = (self.seq, call.index, OPS[op], code, numel, arg, *shown_call)
         self.seg.publish_header(header)
         return header
 
@@ -118,9 +119,9 @@ class ShmTransport(Transport):
                 d.copy_(acc)
 
     # collectives -------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: RedOp) -> None:
+    def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:
         w, r = self.world_size, self.rank
-        header = self._begin("all_reduce", tensor.dtype, tensor.numel(), int(op))
+        header = self._begin(call, "all_reduce", tensor.dtype, tensor.numel(), int(op))
         if tensor.numel() * tensor.element_size() <= min(ONE_SHOT_BYTES, self.seg.chunk_bytes):
             # small: every rank stages all of its tensor and reduces every slot itself. One
             # barrier instead of two; the redundant arithmetic is cheaper than the second barrier.
@@ -146,8 +147,8 @@ class ShmTransport(Transport):
                 if q != r:
                     x[qlo:qhi].copy_(self.seg.slot(self.step, q, tensor.dtype)[qlo:qhi])
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        header = self._begin("broadcast", tensor.dtype, tensor.numel(), root)
+    def broadcast(self, call: Call, tensor: torch.Tensor, root: int) -> None:
+        header = self._begin(call, "broadcast", tensor.dtype, tensor.numel(), root)
         for start, stop in self._steps(tensor.numel(), tensor.element_size()):
             x = tensor[start:stop]
             if self.rank == root:
@@ -156,8 +157,8 @@ class ShmTransport(Transport):
             if self.rank != root:
                 x.copy_(self.seg.slot(self.step, root, tensor.dtype)[: stop - start])
 
-    def reduce(self, tensor: torch.Tensor, root: int, op: RedOp) -> None:
-        header = self._begin("reduce", tensor.dtype, tensor.numel(), root * REDUCE_ROOT_FACTOR + int(op))
+    def reduce(self, call: Call, tensor: torch.Tensor, root: int, op: RedOp) -> None:
+        header = self._begin(call, "reduce", tensor.dtype, tensor.numel(), root * REDUCE_ROOT_FACTOR + int(op))
         for start, stop in self._steps(tensor.numel(), tensor.element_size()):
             x, m = tensor[start:stop], stop - start
             if self.rank != root:
@@ -168,9 +169,9 @@ class ShmTransport(Transport):
                            for p in range(self.world_size)]
                 self._combine(sources, [x], op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, op: str = "all_gather") -> None:
+    def all_gather(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: str = "all_gather") -> None:
         n = input.numel()
-        header = self._begin(op, input.dtype, n, 0)
+        header = self._begin(call, op, input.dtype, n, 0)
         for start, stop in self._steps(n, input.element_size()):
             self.seg.slot(self.step, self.rank, input.dtype)[: stop - start].copy_(input[start:stop])
             self._sync(header if start == 0 else None)
@@ -178,9 +179,9 @@ class ShmTransport(Transport):
                 src = input[start:stop] if q == self.rank else self.seg.slot(self.step, q, input.dtype)[: stop - start]
                 output[q * n + start : q * n + stop].copy_(src)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
+    def reduce_scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         w, r, n = self.world_size, self.rank, output.numel()
-        header = self._begin("reduce_scatter", input.dtype, n, int(op))
+        header = self._begin(call, "reduce_scatter", input.dtype, n, int(op))
         # a step stages one k-element piece of every peer's block: w * k elements per slot
         for start, stop in self._steps(n, input.element_size() * w):
             k = stop - start
@@ -193,9 +194,9 @@ class ShmTransport(Transport):
                        else self.seg.slot(self.step, p, input.dtype)[r * k : (r + 1) * k] for p in range(w)]
             self._combine(sources, [output[start:stop]], op)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_to_all(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         w, r, n = self.world_size, self.rank, input.numel() // self.world_size
-        header = self._begin("all_to_all", input.dtype, input.numel(), 0)
+        header = self._begin(call, "all_to_all", input.dtype, input.numel(), 0)
         for start, stop in self._steps(n, input.element_size() * w):
             k = stop - start
             mine = self.seg.slot(self.step, r, input.dtype)
@@ -205,11 +206,11 @@ class ShmTransport(Transport):
             for q in range(w):
                 output[q * n + start : q * n + stop].copy_(self.seg.slot(self.step, q, input.dtype)[r * k : (r + 1) * k])
 
-    def gather_split_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def gather_split_sizes(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         # an op of its own in the headers, so that it never pairs with a peer's all_gather
-        self.all_gather(output, input, "split_sizes")
+        self.all_gather(call, output, input, "split_sizes")
 
-    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
+    def all_to_all_v(self, call: Call, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
         """Blocks of any size. Each rank's input is one stream, its blocks in rank order; step s
         stages a chunk of every rank's stream, elements [s C, (s + 1) C), with one copy, and each
         rank copies out the part of each peer's chunk that falls in the peer's block for it
@@ -218,7 +219,7 @@ class ShmTransport(Transport):
         fresh buffers of world_size x that block on every call, and the padding moved too.)"""
         r, w = self.rank, self.world_size
         totals = [sum(row) for row in sends]
-        header = self._begin("all_to_all_v", input.dtype, sum(totals), 0)
+        header = self._begin(call, "all_to_all_v", input.dtype, sum(totals), 0)
         mine_at = [sum(row[:r]) for row in sends]  # where my block starts in rank p's stream
         out_at = block_offsets(self.splits(sends)[1])
         for start, stop in self._steps(max(totals), input.element_size()):
@@ -231,13 +232,13 @@ class ShmTransport(Transport):
                     at = out_at[p] + lo - mine_at[p]
                     output[at : at + hi - lo].copy_(self.seg.slot(self.step, p, input.dtype)[lo - start : hi - start])
 
-    def all_gather_v(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int]) -> None:
+    def all_gather_v(self, call: Call, output: torch.Tensor, input: torch.Tensor, sizes: list[int]) -> None:
         """Inputs of different sizes: all_gather's steps over the largest, step s staging
         elements [s C, (s + 1) C) of each rank's input (what it has of them). Each input is
         staged once; as an all_to_all_v it was staged world_size times, after a copy that
         repeated it world_size times."""
         r, w = self.rank, self.world_size
-        header = self._begin("all_gather_v", input.dtype, sum(sizes), 0)
+        header = self._begin(call, "all_gather_v", input.dtype, sum(sizes), 0)
         at = block_offsets(sizes)
         for start, stop in self._steps(max(sizes), input.element_size()):
             staged = max(0, min(stop, sizes[r]) - start)
@@ -249,10 +250,10 @@ class ShmTransport(Transport):
                     src = input[start : start + k] if q == r else self.seg.slot(self.step, q, input.dtype)[:k]
                     output[at[q] + start : at[q] + start + k].copy_(src)
 
-    def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
+    def gather(self, call: Call, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
         # all_gather's steps, with only the root reading: the others write and pass the barrier
         n = input.numel()
-        header = self._begin("gather", input.dtype, n, root)
+        header = self._begin(call, "gather", input.dtype, n, root)
         for start, stop in self._steps(n, input.element_size()):
             if self.rank != root:
                 self.seg.slot(self.step, self.rank, input.dtype)[: stop - start].copy_(input[start:stop])
@@ -262,10 +263,10 @@ class ShmTransport(Transport):
                     src = input[start:stop] if q == root else self.seg.slot(self.step, q, input.dtype)[: stop - start]
                     output[q * n + start : q * n + stop].copy_(src)
 
-    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
+    def scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
         # the root stages one k-element piece of every peer's block per step, as all_to_all does
         w, r, n = self.world_size, self.rank, output.numel()
-        header = self._begin("scatter", output.dtype, n, root)
+        header = self._begin(call, "scatter", output.dtype, n, root)
         for start, stop in self._steps(n, output.element_size() * w):
             k = stop - start
             if r == root:
@@ -279,34 +280,18 @@ class ShmTransport(Transport):
             else:
                 output[start:stop].copy_(self.seg.slot(self.step, root, output.dtype)[r * k : (r + 1) * k])
 
-    def barrier(self) -> None:
-        self._sync(self._begin("barrier", None, 0, 0))
+    def barrier(self, call: Call) -> None:
+        self._sync(self._begin(call, "barrier", None, 0, 0))
 
     def reject(self, call_index: int, reason: str, learn_outcome: bool = True) -> None:
         # peers that leave the call mark the segment broken, which this rank's next call sees
         self.seg.reject(call_index, reason)
 
-    @property
-    def shown_as(self) -> tuple[int, int] | None:  # the segment writes most of this transport's errors
-        return self.seg.shown_as
-
-    @shown_as.setter
-    def shown_as(self, value: tuple[int, int] | None) -> None:
-        self.seg.shown_as = value
-
-    @property
-    def peers_shown(self) -> list[int] | None:
-        return self.seg.peers_shown
-
-    @peers_shown.setter
-    def peers_shown(self, value: list[int] | None) -> None:
-        self.seg.peers_shown = value
-
     def _refusal(self) -> str | None:
         """A refusal of the current call, a failure or a mismatch posted on the group's board (set
         when this transport is the host part of a hierarchical one); peers on this host use the
         segment's own flags."""
-        return None if self.refusals is None else self.refusals.heard(self.call_index)
+        return None if self.refusals is None else self.refusals.heard(self.seg.current_call)
 
     def close(self) -> None:
         self.seg.close()

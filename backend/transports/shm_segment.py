@@ -56,7 +56,10 @@ def _align(n: int, to: int = 4096) -> int:
 class ShmSegment:
     """The mapped segment of one process group on one host, with its barrier and failure checks."""
 
-    def __init__(self, store, rank: int, world_size: int, chunk_bytes: int, timeout: timedelta) -> None:
+    def __init__(self, store, rank: int, world_size: int, chunk_bytes: int, timeout: timedelta, *,
+                 shown_as: tuple[int, int] | None = None, peers_shown: list[int] | None = None,
+                 refused=None) -> None:
+        self.shown_as, self.peers_shown, self.refused = shown_as, peers_shown, refused
         self.rank, self.world_size, self.chunk_bytes = rank, world_size, chunk_bytes
         self.timeout_s = timeout.total_seconds()
         self._control_bytes = _align(world_size * CONTROL_WORDS * 8)
@@ -70,7 +73,7 @@ class ShmSegment:
         self.control[rank, PID] = os.getpid()
         self.control[rank, REJECTED] = -1
         self.phase = 0
-        self.op_shown = "init"  # the op this rank is in, as messages name it (the transport sets it)
+        self.op_shown = "init"  # the op this rank is in, as messages name it (entering)
         store.add("shm/mapped", 1)
         if rank == 0:
             self._unlink_once_mapped(store, path)
@@ -134,7 +137,7 @@ class ShmSegment:
 
     # control plane ---------------------------------------------------------------------------
     broken = False
-    current_call = -1  # index of the process-group call this rank is inside; the transport sets it
+    current_call = -1  # index of the process-group call this rank is inside (entering)
     refused = None  # the transport's look at its group's RefusalBoard, when its peers may refuse there
     shown_as: tuple[int, int] | None = None  # the transport's (rank, world size) for messages, if not ours
     peers_shown: list[int] | None = None  # the rank messages give each of ours, if not ours (Transport's)
@@ -212,6 +215,10 @@ class ShmSegment:
         self.broken = True
         self._write_reason(reason)
         self.control[self.rank, BROKEN] = 1
+
+    def entering(self, call: int, op_shown: str) -> None:
+        """This rank enters process-group call ``call``, which its messages name ``op_shown``."""
+        self.current_call, self.op_shown = call, op_shown
 
     def reject(self, call: int, reason: str) -> None:
         """This rank refused process-group call ``call`` before entering it; peers waiting in that
