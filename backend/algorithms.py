@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .call import Call
 from .errors import PeerRefusedError, RecoverableMismatchError, where
-from .ops import LOW_PRECISION, RedOp, as_sum, flat_view, moved_as_bytes
+from .ops import LOW_PRECISION, RedOp, as_sum, divide_, flat_view, moved_as_bytes
 from .scratch import DEFAULT_MAX_BYTES, Scratch
 from .signatures import REDUCE_ROOT_FACTOR, mismatch_said, paired_with_size_exchange_said, signature
 from .transports.base import Transport, overlap
@@ -180,7 +180,7 @@ class Collectives:
 
         def finish() -> None:
             if divide_by is not None:
-                wire.div_(divide_by)
+                divide_(wire, divide_by)  # integers as NCCL does: truncated
             if wire is not flat:
                 flat.copy_(wire)
 

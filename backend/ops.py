@@ -151,12 +151,18 @@ def reduction(reduce_op: object) -> tuple[RedOp, Factor | None]:
                      f"{found}; pass dist.ReduceOp.PREMUL_SUM(factor) or dist._make_nccl_premul_sum(factor)")
 
 
+def divide_(t: torch.Tensor, by: int) -> torch.Tensor:
+    """``t`` divided by ``by`` in place, as an AVG finishes: an integer tensor's quotient is
+    truncated toward zero, as NCCL averages integers (torch's "nccl" backend accepts them)."""
+    return t.div_(by) if t.is_floating_point() else t.div_(by, rounding_mode="trunc")
+
+
 def check_op_for_dtype(op: RedOp, dtype: torch.dtype) -> None:
-    """Refuse combinations that have no meaning (AVG of integers, bitwise ops on floats)."""
-    if op is RedOp.AVG and dtype not in FLOATS:
+    """Refuse combinations that have no meaning (AVG of bool, bitwise ops on floats)."""
+    if op is RedOp.AVG and dtype is torch.bool:
         raise ValueError(
-            f"ReduceOp.AVG needs a floating-point tensor, found {dtype_name(dtype)}; "
-            "use SUM and divide, or convert the tensor to float"
+            f"ReduceOp.AVG cannot average bool tensors (torch's nccl refuses them too); "
+            "use MAX (any) or MIN (all), or convert the tensor to an integer or float"
         )
     if op in BITWISE_OPS and dtype in FLOATS:
         raise ValueError(

@@ -393,7 +393,15 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return self._run("all_gather", inputs + outputs, outputs, check, body, nccl)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        works = [self.allgather([outs], [inp], opts) for outs, inp in zip(output_lists, input_list)]
+        """``output_lists[r][j]`` receives rank r's ``input_list[j]``: the lists are indexed by rank
+        first, as ``dist.all_gather_coalesced`` passes them (and gloo lays them out)."""
+        with self._preparing("all_gather_coalesced"):
+            if len(output_lists) != self.size() or any(len(outs) != len(input_list) for outs in output_lists):
+                raise ValueError(
+                    f"expected {self.size()} output lists (one per rank) of {len(input_list)} tensors each (one per "
+                    f"input), found {len(output_lists)} lists of {[len(outs) for outs in output_lists]} tensors; "
+                    "output_tensor_lists[r][j] receives rank r's input_tensor_list[j]")
+        works = [self.allgather([[outs[j] for outs in output_lists]], [inp], opts) for j, inp in enumerate(input_list)]
         return works[-1] if works else self.barrier()
 
     @_device_aware("all_gather_into_tensor")

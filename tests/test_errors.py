@@ -28,7 +28,7 @@ EXPECTED_WORDS = {
     "device": ["meta", ".cpu()"],
     "quantized": ["quantized", "qint8", "int_repr()"],
     "sparse": ["dense", "to_dense"],
-    "avg_int": ["AVG", "int32"],
+    "avg_bool": ["AVG", "bool"],
     "bitwise_float": ["BAND", "float32"],
     "premul_sum": ["PREMUL_SUM needs a factor", "dtype int64", "PREMUL_SUM(factor)"],
     "premul_sum_int": ["PREMUL_SUM needs floating-point tensors", "int32"],

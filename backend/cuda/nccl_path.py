@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from ..errors import SMDDPError, where
-from ..ops import BITWISE_OPS, FLOATS, RedOp
+from ..ops import BITWISE_OPS, RedOp, divide_
 from ..transports.base import block_offsets, overlap
 from .communicators import (NCCL_AVG_VERSION, NCCL_BF16_VERSION, NCCL_DTYPE_NAMES, NCCL_OP_NAMES, Communicators,
                             nccl_version_string)
@@ -132,7 +132,7 @@ class NcclPath:
             # (NVIDIA/nccl#1950): the conformance suite caught it on an H100 with NCCL 2.28.9
             red = RedOp.SUM
         if red is RedOp.AVG and not (self.avg_native and RedOp.AVG in self._op):
-            return self._dtype[dtype], self._op[RedOp.SUM], dtype in FLOATS
+            return self._dtype[dtype], self._op[RedOp.SUM], True  # integers: truncated, as ncclAvg does
         return self._dtype[dtype], self._op[red], False
 
     # collectives -------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ class NcclPath:
                     comm.allReduce(f.ptr, f.ptr, f.numel, dt, nop, stream)
             for f, (_, _, divide) in zip(flats, codes):
                 if divide:
-                    f.flat.div_(self.world_size)
+                    divide_(f.flat, self.world_size)
                 f.write_back()
 
         return self._launch("all_reduce", tensors[0].device, _touched(*flats), tensors, enqueue)
@@ -172,7 +172,7 @@ class NcclPath:
             comm.reduce(f.ptr, f.ptr, f.numel, dt, nop, root, stream)
             if self.rank == root:  # non-root tensors are left as they were
                 if divide:
-                    f.flat.div_(self.world_size)
+                    divide_(f.flat, self.world_size)
                 f.write_back()
 
         return self._launch("reduce", tensor.device, _touched(f), [tensor], enqueue)
@@ -209,7 +209,7 @@ class NcclPath:
         def enqueue(comm, stream: int) -> None:
             comm.reduceScatter(src.ptr, dst.ptr, dst.numel, dt, nop, stream)
             if divide:
-                dst.flat.div_(self.world_size)
+                divide_(dst.flat, self.world_size)
             dst.write_back()
 
         return self._launch("reduce_scatter", input.device, _touched(src, dst), [output], enqueue)
@@ -222,7 +222,7 @@ class NcclPath:
             packed = torch.cat([t.reshape(-1) for t in inputs])
             comm.reduceScatter(_ptr(packed), dst.ptr, dst.numel, dt, nop, stream)
             if divide:
-                dst.flat.div_(self.world_size)
+                divide_(dst.flat, self.world_size)
             dst.write_back()
 
         return self._launch("reduce_scatter", output.device, _touched(dst) + inputs, [output], enqueue)

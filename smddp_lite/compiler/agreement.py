@@ -20,6 +20,9 @@ import torch.distributed as dist
 
 from ..backend.errors import ranks_said
 
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every call) for all_gather_single
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 SAME_MODEL = "build the same model on every rank, with the same parameters trainable (requires_grad)"
 SAME_OPTIONS = "pass the same compile options (or SMDDP_* variables) on every rank"
 
@@ -85,7 +88,7 @@ def check_ranks_agree(group, rank: int, world: int, device: torch.device, entrie
     words = json.dumps([value for _, value, _ in entries]).encode()
     mine = torch.tensor([zlib.crc32(words), len(words)], dtype=torch.int64, device=device)
     table = torch.empty(world * 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(table, mine, group=group)
+    _ALL_GATHER(table, mine, group=group)
     rows = table.view(world, 2).tolist()
     if all(row == rows[0] for row in rows):
         return
@@ -94,7 +97,7 @@ def check_ranks_agree(group, rank: int, world: int, device: torch.device, entrie
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: len(words)] = torch.frombuffer(bytearray(words), dtype=torch.uint8)
     everyone = torch.empty(world * longest, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(everyone, padded.to(device), group=group)
+    _ALL_GATHER(everyone, padded.to(device), group=group)
     flat = everyone.cpu().view(world, longest)
     values = [json.loads(bytes(flat[r, :length].tolist())) for r, (_, length) in enumerate(rows)]
     raise ValueError(f"smddp_lite.compile (rank {rank}/{world}): the ranks compiled different models or options, "
