@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 import time
 from datetime import timedelta
 from typing import Callable
@@ -761,10 +760,6 @@ def _summary() -> dict:
               "sum": t.tolist(), "env_rank": os.environ.get("RANK")}
     dist.destroy_process_group()
     return result
-
-
-def file_url() -> str:
-    return os.path.join(tempfile.mkdtemp(prefix="smddp-init-"), "rendezvous")
 
 
 def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float | None = None, width: int = 64,

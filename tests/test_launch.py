@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from . import harness, programs
+from . import harness
 
 
 def _expect(results, world):
@@ -29,9 +29,9 @@ def test_tcp_init_method():
     _expect(harness.launch("tests.programs:init_explicit", 2, rendezvous=False, method="tcp", port=port), 2)
 
 
-def test_file_init_method():
+def test_file_init_method(tmp_path):
     _expect(harness.launch("tests.programs:init_explicit", 3, rendezvous=False, method="file",
-                           path=programs.file_url()), 3)
+                           path=str(tmp_path / "rendezvous")), 3)
 
 
 @pytest.mark.mpi
