@@ -181,8 +181,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def _run(self, op: str, tensors: list[torch.Tensor], outputs: list[torch.Tensor],
              check: Callable[[], None], body: Callable[[Call], None], nccl: Callable[[Any], Any] | None = None):
         """Validate on this thread, then queue ``body`` (given this call's ``Call``) on the
-        communication thread; for CUDA
-        tensors, enqueue ``nccl(nccl_path)`` on the device instead (NeedsStaging if it cannot)."""
+        communication thread; for CUDA tensors, enqueue ``nccl(nccl_path)`` on the device instead
+        (NeedsStaging if it cannot)."""
         self._calls += 1
         call = self._calls
         try:

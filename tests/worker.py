@@ -15,6 +15,7 @@ child becomes a pooled rank. A rank retired after a failed job is replaced in mi
 instead of the seconds a new interpreter takes to import torch.
 """
 
+import contextlib
 import ctypes
 import importlib
 import json
@@ -113,11 +114,9 @@ def _left_clean(threads_before: set) -> bool:
         destroyed = []
 
         def destroy():
-            try:
+            with contextlib.suppress(BaseException):  # a broken group: this process is not reused
                 dist.destroy_process_group()
                 destroyed.append(True)
-            except BaseException:  # a broken group: this process is not reused
-                pass
 
         # a broken group's destroy can wait on peers that are gone; a fresh process would not
         # have waited at all, so a slow destroy retires this one instead

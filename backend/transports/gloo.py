@@ -11,10 +11,10 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ..call import Call
 from ..errors import PeerFailureError
 from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum
 from ..scratch import DEFAULT_MAX_BYTES, Scratch
-from ..call import Call
 from .base import Transport, overlap
 from .refusals import POLL, POLL_S, explained
 

@@ -53,8 +53,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..ops import LOW_PRECISION, RedOp, as_sum
 from ..call import Call
+from ..ops import LOW_PRECISION, RedOp, as_sum
 from .base import Transport
 from .gloo import GlooTransport
 from .refusals import RefusalBoard

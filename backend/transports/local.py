@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import RedOp
 from ..call import Call
+from ..ops import RedOp
 from .base import Transport
 
 

@@ -12,9 +12,9 @@ import time
 
 import torch
 
+from ..call import Call
 from ..errors import PeerFailureError, where
 from ..ops import RedOp
-from ..call import Call
 from .base import Transport, block_offsets, overlap
 from .mpi_environment import cma_requested_where_blocked, import_mpi
 from .refusals import POLL_S

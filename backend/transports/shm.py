@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from ..call import Call
 from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum, dtype_of_code, moved_as_bytes, signature_code
 from ..signatures import OPS, REDUCE_ROOT_FACTOR
-from ..call import Call
 from .base import Transport, block_offsets
 from .shm_segment import ShmSegment
 
