@@ -3,7 +3,9 @@
 Its param_groups are torch's (LR schedulers work unchanged), and ``state_dict()`` /
 ``load_state_dict()`` speak torch.optim's format, so a checkpoint loads into plain AdamW/SGD and
 back. Internally each state tensor is a view into a flat per-bucket buffer the kernel updates;
-``optimizer.state[p]`` holds those views from the step that creates them, as torch's would.
+``optimizer.state[p]`` holds those views from the step that creates them, as torch's would;
+``state_dict()`` also reports the state torch starts from before that step, so that
+torch.distributed.checkpoint asks a checkpoint for it.
 """
 
 from __future__ import annotations
@@ -210,7 +212,28 @@ class CompiledOptimizer(torch.optim.Optimizer):
         for entry in sd["state"].values():
             if "step" in entry:
                 entry["step"] = entry["step"].detach().to("cpu", torch.float32).clone()
+        sd["state"].update(self._unstarted_entries())
         return sd
+
+    def _unstarted_entries(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Zero entries for parameters that hold no state yet, where a zero entry is exactly the
+        state torch starts from: Adam's (step 0, zero moments) and SGD's zero momentum buffer
+        without dampening (torch's first buffer, the gradient, is 0 x momentum + gradient).
+        torch.distributed.checkpoint loads only the keys a template asks for, and builds that
+        template from this method: without them, a checkpoint's moments were silently left out
+        whenever it was loaded before the first step (compiled parameters always have gradients,
+        so DCP's warm-up step that would create state does not run)."""
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        entries = {}
+        for b in self.buckets:
+            group = self.param_groups[b.group]
+            if self._has_state[b.index] or (self.family == "sgd" and (group["momentum"] == 0
+                                                                     or group["dampening"] != 0)):
+                continue
+            for p in b.params:
+                zeros = {k: torch.zeros_like(p) for k in self._state_keys()}
+                entries[index[id(p)]] = zeros if self.family == "sgd" else {"step": torch.zeros(()), **zeros}
+        return entries
 
     def load_state_dict(self, state_dict) -> None:
         check_supported(state_dict["param_groups"], _NAMES[self.family], self.family, " (in the checkpoint)")
@@ -243,6 +266,11 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 present = present or bool(entry)
                 for key, buf in flat.items():
                     if entry.get(key) is not None:
+                        if tuple(entry[key].shape) != tuple(p.shape):
+                            raise ValueError(
+                                f"smddp_lite.compile: the optimizer state's {key!r} for a parameter of shape "
+                                f"{tuple(p.shape)} has shape {tuple(entry[key].shape)}; load a checkpoint "
+                                "written for this model (its parameters in the same order)")
                         b.view(buf, i).copy_(entry[key])
                 if self.family == "sgd":
                     steps.add(1.0 if entry.get("momentum_buffer") is not None else 0.0)
