@@ -332,6 +332,20 @@ def test_bad_options_and_models_are_refused():
         smddp_lite.compile(mixed, torch.optim.SGD(mixed.parameters(), lr=0.1))
 
 
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
+def test_compile_before_the_group_in_a_job_of_several_ranks_is_refused(monkeypatch, variable):
+    """Under torchrun (or mpiexec) with 2 ranks, compiling before init_process_group trained each
+    rank alone, with no error, and the ranks' weights drifted apart."""
+    monkeypatch.setenv(variable, "2")
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=f"{variable}=2 says this job runs 2 processes.*smddp_lite.init()"):
+        smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert all(torch.equal(a, b) and a.grad is None for a, b in zip(model.parameters(), before))
+    monkeypatch.setenv(variable, "1")  # a one-process job is fine without a group
+    smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_options_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("SMDDP_MAX_GRAD_NORM", "0.25")
     model = _model()

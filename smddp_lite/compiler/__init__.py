@@ -7,6 +7,7 @@ when collectives launch and complete; ``kernels``: the arithmetic of one update)
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 
 import torch
@@ -41,7 +42,8 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
     Returns:
         ``(model, optimizer)`` used like a DDP model and a torch optimizer: forward, backward
         (``.grad`` then holds the gradient averaged over ranks), ``step()``, ``zero_grad()``,
-        ``state_dict()``. Without an initialised process group it runs on one rank.
+        ``state_dict()``. Without an initialised process group it runs on one rank, and
+        raises when a launcher started several (initialise the group first).
 
     Example::
 
@@ -62,6 +64,8 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
             f"smddp_lite.compile: parameters are on several devices ({', '.join(map(str, sorted(devices, key=str)))}); "
             "move the model to one device first (model.to(device))"
         )
+    if not dist.is_initialized():
+        _refuse_a_lone_rank_of_a_larger_job()
     group = dist.group.WORLD if dist.is_initialized() else None
     world = dist.get_world_size() if group is not None else 1
     mib = 2**20
@@ -121,3 +125,22 @@ def _ordered_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
             "build the optimizer from this model's parameters"
         )
     return [(group_of[id(p)], p) for p in reversed(trainable)]
+
+
+# the job's size as each launcher announces it to its processes
+_LAUNCHER_WORLD_SIZE = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def _refuse_a_lone_rank_of_a_larger_job() -> None:
+    """Without a process group every rank would train alone and their weights drift apart, with
+    no error. Raising is chosen over initialising here: the group's backend, timeout and
+    rendezvous are the script's to choose, and the script owns the group's end
+    (destroy_process_group) and every other collective made on it."""
+    for name in _LAUNCHER_WORLD_SIZE:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            raise RuntimeError(
+                f"smddp_lite.compile: {name}={value} says this job runs {value} processes, but no process group "
+                "is initialised, so each would train alone and their weights would drift apart. Call "
+                "smddp_lite.init() (or torch.distributed.init_process_group(backend=\"smddp\")) before "
+                "smddp_lite.compile")
