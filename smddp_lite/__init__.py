@@ -14,7 +14,6 @@ and under mpirun/mpiexec (rank and world size from the MPI launcher).
 import logging as _logging
 
 from ._registration import BACKEND_NAME, register as _register
-from .compiler import compile
 from .hyperparams import scale_lr
 from .launch import init
 
@@ -22,6 +21,17 @@ __version__ = "0.1.0"
 __all__ = ["BACKEND_NAME", "compile", "init", "scale_lr", "__version__"]
 
 _register()
+
+
+def __getattr__(name: str):
+    # the compiler (and Triton behind it) is imported on first use: torch imports this package
+    # at its own import (the "torch.backends" entry point), where only the backend is needed
+    if name == "compile":
+        from .compiler import compile
+
+        globals()["compile"] = compile
+        return compile
+    raise AttributeError(f"module 'smddp_lite' has no attribute {name!r}")
 
 # One line on rank 0 says which transport runs (SMDDP users were bitten by silent fallbacks).
 # Applications that configure logging themselves keep full control of this logger.

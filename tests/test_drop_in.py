@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from . import harness
@@ -41,9 +43,59 @@ def test_all_gather_coalesced_lays_out_outputs_as_gloo_does():
 def test_compile_and_its_steps_raise_no_warning_from_this_project():
     """compile's agreement check used torch's deprecated all_gather_into_tensor, which printed a
     FutureWarning on every rank."""
-    import os
-
     root = os.fspath(harness.ROOT)
     for report in harness.values(harness.launch("tests.programs:warnings_of_compile", 2)):
         ours = [w for w in report["warnings"] if w.startswith(root) and "/tests/" not in w]
         assert ours == [], ours
+
+
+_NEVER_IMPORTS_SMDDP_LITE = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+# the "torch.backends" entry point imported the package, but not its compiler (nor Triton)
+light = "smddp_lite.compiler" not in sys.modules and "triton" not in sys.modules
+dist.init_process_group(backend="smddp")
+t = torch.full((5,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+backend = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__module__
+with open(f"rank{dist.get_rank()}.json", "w") as out:  # ranks share stdout: lines may interleave
+    json.dump({"rank": dist.get_rank(), "sum": t.tolist(), "backend": backend, "light": light}, out)
+dist.destroy_process_group()
+"""
+
+
+def test_a_script_that_never_imports_smddp_lite_gets_the_backend(tmp_path):
+    """init_process_group(backend="smddp") ended in torch's "Unknown backend type smddp" unless the
+    script imported smddp_lite: scripts written for SageMaker's library import another package."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_NEVER_IMPORTS_SMDDP_LITE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMDDP_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "PYTHONPATH")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], cwd=tmp_path, env=dict(env, OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r == {"rank": rank, "sum": [3.0] * 5, "backend": "smddp_lite.backend.process_group",
+                     "light": True}, r
+
+
+@pytest.mark.parametrize("first", ["import smddp_lite", "import torch; import smddp_lite"])
+def test_either_import_order_registers_smddp_lite_without_a_warning(first):
+    """torch's import loads the entry point; when the script imported smddp_lite first, the
+    package is still mid-import then, and finishes the registration itself."""
+    import subprocess
+    import sys
+
+    code = (f"{first}\nimport torch.distributed as dist\n"
+            "print(dist.Backend._plugins['SMDDP'].creator_fn.__module__)\n")
+    run = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert run.stdout.strip() == "smddp_lite.backend.process_group"
