@@ -3,7 +3,17 @@ which must be chosen before anything imports triton."""
 
 import os
 
+import pytest
 import torch
+
+from tests import warning_gate
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_deprecated_api_in_our_code():
+    """A deprecation raised through this project's code fails the test (tests/warning_gate.py)."""
+    with warning_gate.installed():
+        yield

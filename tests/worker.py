@@ -30,6 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests import warning_gate  # noqa: E402  (needs the path above)
+
+warning_gate.install()
+
 
 def _rank() -> int:
     for var in ("TEST_RANK", "RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
