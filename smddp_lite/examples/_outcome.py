@@ -1,0 +1,27 @@
+"""What the framework examples report, so that a run on "smddp" can be compared with one on gloo."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+
+def write(path: str | None, losses: list[float], model: torch.nn.Module, **more) -> None:
+    """Rank 0 writes the losses, every parameter's sum and ``more`` to ``path`` (JSON), when given."""
+    if path is None or dist.get_rank() != 0:
+        return
+    sums = {name: float(p.detach().double().sum()) for name, p in model.named_parameters()}
+    with open(path, "w") as out:
+        json.dump({"losses": losses, "parameter_sums": sums, "world_size": dist.get_world_size(), **more}, out)
+
+
+def arguments(description: str):
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--backend", default="smddp", help="smddp, or gloo to compare")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", help="write the losses and parameter sums here (JSON, rank 0)")
+    return parser.parse_args()

@@ -1,0 +1,53 @@
+"""PyTorch Lightning on the "smddp" backend: its DDP strategy, told the backend's name.
+
+    torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.lightning_fit
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+
+import smddp_lite  # noqa: F401  (registers "smddp"; installing smddp-lite does it too, see the README)
+from smddp_lite.examples import _outcome
+
+
+class Classifier(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, _):
+        inputs, labels = batch
+        loss = torch.nn.functional.cross_entropy(self.net(inputs), labels)
+        self.losses.append(float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")))  # over ranks
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def main() -> None:
+    args = _outcome.arguments(__doc__)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(128, 16, generator=gen)
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+    model = Classifier()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend=args.backend),
+                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    if trainer.is_global_zero:
+        print(f"Lightning on {args.backend}: {len(model.losses)} steps, "
+              f"loss {model.losses[0]:.4f} -> {model.losses[-1]:.4f}")
+    _outcome.write(args.out, model.losses, model)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
