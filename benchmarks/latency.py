@@ -10,6 +10,7 @@ round); ``--profile`` adds where that time goes in the first backend (cProfile, 
         --profile smddp-calls.txt
     torchrun --standalone --nproc-per-node 2 benchmarks/latency.py --op pingpong --profile p2p.txt
 
+A backend may carry settings for its group: ``--backends smddp:SMDDP_TRANSPORT=gloo:SMDDP_CHECK_COLLECTIVES=0,gloo``.
 ``--op pingpong`` times round trips between ranks 0 and 1 (rank 0 sends, rank 1 sends back;
 other ranks wait at the end); ``--op barrier`` times barriers (``--bytes`` is then unused).
 """
@@ -17,6 +18,7 @@ other ranks wait at the end); ``--op barrier`` times barriers (``--bytes`` is th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
@@ -40,6 +42,29 @@ def profile_table(profile: cProfile.Profile, calls: int, what: str, rows: int = 
     return "\n".join(lines) + "\n"
 
 
+def _backend_and_settings(entry: str) -> tuple[str, dict[str, str]]:
+    """``smddp:SMDDP_TRANSPORT=gloo:SMDDP_CHECK_COLLECTIVES=0`` -> ("smddp", {those variables})."""
+    backend, *pairs = entry.split(":")
+    settings = dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+    if len(settings) != len(pairs):
+        raise SystemExit(f"--backends: {entry!r}: expected BACKEND[:VARIABLE=VALUE...]")
+    return backend, settings
+
+
+@contextlib.contextmanager
+def _environment(settings: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="smddp,gloo")
@@ -54,13 +79,22 @@ def main() -> None:
     args = parser.parse_args()
 
     backends = args.backends.split(",")
+    for entry in backends:
+        _backend_and_settings(entry)  # a malformed entry fails before any group starts
     device = torch.device("cpu")
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)  # before init, so NCCL-like backends bind this GPU
     settle = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    smddp_lite.init(backend=backends[0])
-    groups = {b: dist.group.WORLD if i == 0 else dist.new_group(backend=b) for i, b in enumerate(backends)}
+    groups = {}
+    for entry in backends:
+        backend, settings = _backend_and_settings(entry)
+        with _environment(settings):  # smddp reads its SMDDP_* settings as each group starts
+            if not groups:
+                smddp_lite.init(backend=backend)
+                groups[entry] = dist.group.WORLD
+            else:
+                groups[entry] = dist.new_group(backend=backend)
     tensor = torch.ones(max(1, args.bytes // 4), device=device)
     if args.op == "pingpong" and dist.get_world_size() < 2:
         raise SystemExit("--op pingpong needs at least 2 ranks")
@@ -106,11 +140,12 @@ def main() -> None:
                 "pingpong": f"send/recv round trip (ranks 0 and 1) of {tensor.numel() * 4} B float32"}[args.op]
         print(f"# {what} on {dist.get_world_size()} ranks ({device.type}), "
               f"{args.calls} calls per backend in {args.rounds} alternating rounds (rank 0's view)")
-        print(f"# {'backend':<8} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8} {'max us':>8} {'mean us':>8}")
+        width = max(8, *map(len, samples))
+        print(f"# {'backend':<{width}} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8} {'max us':>8} {'mean us':>8}")
         for backend, values in samples.items():
             us = torch.tensor(values, dtype=torch.float64) * 1e6
             q = [float(us.quantile(p)) for p in (0.5, 0.9, 0.99)]
-            print(f"  {backend:<8} {q[0]:8.1f} {q[1]:8.1f} {q[2]:8.1f} {float(us.max()):8.1f} {float(us.mean()):8.1f}")
+            print(f"  {backend:<{width}} {q[0]:8.1f} {q[1]:8.1f} {q[2]:8.1f} {float(us.max()):8.1f} {float(us.mean()):8.1f}")
     dist.destroy_process_group()
 
 

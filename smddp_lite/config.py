@@ -35,13 +35,14 @@ class BackendConfig:
     """Log every decision (transport, algorithm) on rank 0 and check that all ranks call the
     same collective with the same size and dtype before running it. Env: ``SMDDP_DEBUG``."""
 
-    check_collectives: bool = False
-    """Check op, dtype and size across ranks before each collective even without ``debug``.
-    The shared-memory transport always checks (it costs nothing there); on gloo and MPI the
-    check is one extra small all_gather per call. Without it, gloo, MPI and the hierarchical
-    transport still find calls that differ once ranks have waited a second for each other in
-    them; calls that differ yet pair (gloo aborts the process on sizes that differ, MPI may
-    return wrong data) need the check. Env: ``SMDDP_CHECK_COLLECTIVES``."""
+    check_collectives: bool = True
+    """Check op, dtype and size across ranks before each collective. The shared-memory
+    transport always checks (it costs nothing there); on gloo, MPI and between hosts the check
+    is one extra small all_gather per call, on by default because calls that differ yet pair
+    return wrong data with no error (MPI) or abort a process (gloo). Turned off
+    (``SMDDP_CHECK_COLLECTIVES=0``), gloo, MPI and the hierarchical transport still find calls
+    that differ once ranks have waited a second for each other in them, but not those that
+    pair. Env: ``SMDDP_CHECK_COLLECTIVES``."""
 
     shm_chunk_bytes: int = 1 << 20
     """Bytes each rank stages per step in the shared-memory transport. 1 MiB keeps a step's

@@ -16,10 +16,13 @@ import torch.distributed as dist
 
 from . import harness
 
+# the behaviour with SMDDP_CHECK_COLLECTIVES=0: only the waits' comparison finds calls that differ
+UNCHECKED = {"SMDDP_CHECK_COLLECTIVES": "0"}
+
 TRANSPORT_ENVS = {
     "shm": {"SMDDP_TRANSPORT": "shm"},
-    # gloo and MPI check signatures only when asked (one extra small all_gather per call)
-    "gloo": {"SMDDP_TRANSPORT": "gloo", "SMDDP_CHECK_COLLECTIVES": "1"},
+    # gloo and MPI check signatures by default (one extra small all_gather per call)
+    "gloo": {"SMDDP_TRANSPORT": "gloo"},
 }
 
 # what each bad input must say, in words a user can act on
@@ -106,6 +109,27 @@ def test_mismatched_calls_raise_on_every_rank(transport, kind):
         assert error["seconds"] < 30, error
 
 
+@pytest.mark.parametrize("transport", ["gloo", "mpi", "hierarchical"])
+def test_calls_of_different_sizes_are_caught_by_default(transport):
+    """Under mpiexec, ranks passing tensors of different sizes to one all_reduce got wrong sums
+    and no error (MPI pairs them), and gloo aborted a rank: the check was off by default. Now
+    every rank raises, naming both calls, before any data moves, and the group goes on."""
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+        results = harness.launch_mpi("tests.programs:mismatch", 2, env={"SMDDP_TRANSPORT": "mpi"}, kind="size")
+    elif transport == "gloo":
+        results = harness.launch("tests.programs:mismatch", 2, env={"SMDDP_TRANSPORT": "gloo"}, kind="size")
+    else:  # 2 simulated hosts of one rank: the calls meet between hosts only
+        results = harness.launch("tests.programs:mismatch", 2, env={"SMDDP_ALGORITHM": "hierarchical"},
+                                 hosts_of=1, kind="size")
+    for rank, error in enumerate(harness.values(results)):
+        assert error["type"] == "RecoverableMismatchError", (rank, error)
+        for words in (f"[smddp rank {rank}/2 ", "called different collectives as call #1 of this group: rank 0: ",
+                      "the group can still be used"):
+            assert words in error["message"], (rank, words, error["message"])
+        assert error["usable_after"] is True, (rank, error)
+
+
 @pytest.mark.parametrize("transport", ["gloo", "mpi"])
 def test_a_call_that_pairs_with_a_peers_exchange_of_sizes_is_told(transport):
     """Without SMDDP_CHECK_COLLECTIVES, rank 0's list all_gather takes the equal path and rank 1's
@@ -113,7 +137,7 @@ def test_a_call_that_pairs_with_a_peers_exchange_of_sizes_is_told(transport):
     MPI pair the two without an error. Rank 1 finds rank 0's row unmarked and raises, naming
     both; rank 0's call has completed (with rank 1's sizes as data), and its next call raises
     the same mismatch, heard on the group's board, instead of waiting for the timeout."""
-    env = {"SMDDP_TRANSPORT": transport}
+    env = {"SMDDP_TRANSPORT": transport, **UNCHECKED}
     if transport == "mpi":
         harness.skip_without_mpiexec()
         results = harness.launch_mpi("tests.programs:mismatch", 2, env=env, kind="all_gather_paths")
@@ -137,7 +161,7 @@ def test_ranks_of_one_host_whose_sizes_give_the_same_share_are_told():
     """On 2 hosts x 2 ranks each host's ranks all-reduce 100000 and 99999 elements: the steps
     inside the hosts move shares of 50000 alike, so their headers alone would match, and the
     steps between hosts too; the headers also carry the user's call, and every rank raises."""
-    reports = harness.values(harness.launch("tests.programs:mismatch", 4, env={"SMDDP_ALGORITHM": "hierarchical"},
+    reports = harness.values(harness.launch("tests.programs:mismatch", 4, env={"SMDDP_ALGORITHM": "hierarchical", **UNCHECKED},
                                             hosts_of=2, kind="host_share_size"))
     for rank, error in enumerate(reports):
         assert error["type"] == "CollectiveMismatchError", (rank, error)
@@ -154,7 +178,7 @@ def test_ranks_of_one_host_passing_different_dtypes_to_a_hierarchical_all_gather
     bytes inside the host), and its message the user's ranks, not the host group's. (Ranks 0
     and 1, on the other host, agree with each other and with what gloo checks between hosts:
     their call completes; the mismatch reaches them on the group's board, in a later wait.)"""
-    reports = harness.values(harness.launch("tests.programs:mismatch", 4, env={"SMDDP_ALGORITHM": "hierarchical"},
+    reports = harness.values(harness.launch("tests.programs:mismatch", 4, env={"SMDDP_ALGORITHM": "hierarchical", **UNCHECKED},
                                             hosts_of=2, kind="moved_dtype"))
     for rank in (2, 3):
         error = reports[rank]
@@ -183,10 +207,10 @@ def _waiting_mismatch_words(kind: str, world: int) -> list[str]:
 
 
 WAITING_MISMATCH_LAUNCHES = {  # transport: (ranks, the ranks making the other call, launch arguments)
-    "gloo": (2, [1], {"env": {"SMDDP_TRANSPORT": "gloo"}}),
-    "mpi": (2, [1], {"env": {"SMDDP_TRANSPORT": "mpi"}}),
+    "gloo": (2, [1], {"env": {"SMDDP_TRANSPORT": "gloo", **UNCHECKED}}),
+    "mpi": (2, [1], {"env": {"SMDDP_TRANSPORT": "mpi", **UNCHECKED}}),
     # one simulated host calls one thing, the other host another: ranks wait between hosts (gloo)
-    "hierarchical": (6, [3, 4, 5], {"env": {"SMDDP_ALGORITHM": "hierarchical"}, "hosts_of": 3}),
+    "hierarchical": (6, [3, 4, 5], {"env": {"SMDDP_ALGORITHM": "hierarchical", **UNCHECKED}, "hosts_of": 3}),
 }
 WAITING_MISMATCH_ODD_RANKS = {
     # rank 3 alone skips the all_reduce: ranks 4 and 5, on its host, wait for it in shared memory
@@ -228,7 +252,8 @@ def test_a_rank_arriving_after_its_peers_found_a_mismatch_is_told():
     """Ranks 0 and 1 differ and raise after about a second; rank 2, which calls what rank 0 does,
     arrives 3 s later: it must raise the same error, not wait for the timeout (its peers have
     left the call, and may have exited)."""
-    results = harness.launch("tests.programs:mismatch_that_waits", 3, env={"SMDDP_TRANSPORT": "gloo"}, kind="op",
+    results = harness.launch("tests.programs:mismatch_that_waits", 3, env={"SMDDP_TRANSPORT": "gloo", **UNCHECKED},
+                             kind="op",
                              odd_ranks=[1], late_rank=2, late_s=3.0)
     for rank, error in enumerate(harness.values(results)):
         assert error["type"] == "CollectiveMismatchError", (rank, error)
@@ -242,14 +267,15 @@ def test_gloo_sizes_that_differ_abort_one_rank_and_the_other_is_told_what_to_loo
     """Not found by waiting: gloo aborts the rank that receives more bytes than it posted before
     anyone waits. The other rank can only see a closed connection in its next call; its error
     must say what the aborted rank's output shows when that is the cause, and how to be told."""
-    aborted, survivor = harness.launch("tests.programs:sizes_differ_on_gloo", 2, env={"SMDDP_TRANSPORT": "gloo"})
+    aborted, survivor = harness.launch("tests.programs:sizes_differ_on_gloo", 2,
+                                       env={"SMDDP_TRANSPORT": "gloo", **UNCHECKED})
     assert aborted.returncode != 0, aborted
     assert "Received data size doesn't match expected size" in aborted.output, aborted.output
     assert survivor.returncode == 0, survivor
     error = survivor.value["next"]
     assert "PeerFailureError" in error and "by peer" in error, error
     for words in ("Received data size doesn't match expected size", "ranks called collectives of different sizes",
-                  "SMDDP_CHECK_COLLECTIVES=1"):
+                  "Without SMDDP_CHECK_COLLECTIVES=0 (the check is on by default)"):
         assert words in error, (words, error)
 
 
@@ -297,12 +323,13 @@ def test_uneven_all_to_all_sizes_that_disagree_raise_on_every_rank_and_the_group
 
 REFUSAL_LAUNCHES = {  # transport: (ranks, launch arguments)
     "shm": (2, {"env": {"SMDDP_TRANSPORT": "shm"}}),
-    "gloo": (2, {"env": {"SMDDP_TRANSPORT": "gloo"}}),
+    # unchecked: the waiting rank is inside the call itself when it hears of the refusal
+    "gloo": (2, {"env": {"SMDDP_TRANSPORT": "gloo", **UNCHECKED}}),
     # 2 simulated hosts x 2 ranks: rank 3's host peer waits in shared memory, the others in gloo
-    "hierarchical": (4, {"env": {"SMDDP_ALGORITHM": "hierarchical"}, "hosts_of": 2}),
-    "mpi": (2, {"env": {"SMDDP_TRANSPORT": "mpi"}}),
-    # the waiting rank is inside the signature check's all_gather when it hears of the refusal
-    "gloo-checked": (2, {"env": {"SMDDP_TRANSPORT": "gloo", "SMDDP_CHECK_COLLECTIVES": "1"}}),
+    "hierarchical": (4, {"env": {"SMDDP_ALGORITHM": "hierarchical", **UNCHECKED}, "hosts_of": 2}),
+    "mpi": (2, {"env": {"SMDDP_TRANSPORT": "mpi", **UNCHECKED}}),
+    # as by default: the waiting rank is inside the signature check's all_gather when it hears of the refusal
+    "gloo-checked": (2, {"env": {"SMDDP_TRANSPORT": "gloo"}}),
 }
 
 
@@ -406,9 +433,9 @@ SETTINGS_DIFFER_CASES = {
         4, {"env": {"SMDDP_ALGORITHM": "hierarchical"}, "hosts_of": 2},
         {"2": {"SMDDP_HIERARCHICAL_CHUNK_BYTES": "65536"}, "3": {"SMDDP_HIERARCHICAL_CHUNK_BYTES": "65536"}},
         "SMDDP_HIERARCHICAL_CHUNK_BYTES is 4194304 on ranks 0-1 and 65536 on ranks 2-3"),
-    "debug-on-one-rank": (2, {"env": {"SMDDP_TRANSPORT": "gloo"}}, {"1": {"SMDDP_DEBUG": "1"}},
-                          "SMDDP_CHECK_COLLECTIVES (SMDDP_DEBUG turns it on too) is disabled on rank 0 and enabled "
-                          "on rank 1"),
+    "check-off-on-one-rank": (2, {"env": {"SMDDP_TRANSPORT": "gloo"}}, {"1": {"SMDDP_CHECK_COLLECTIVES": "0"}},
+                              "SMDDP_CHECK_COLLECTIVES (SMDDP_DEBUG turns it on too) is enabled on rank 0 and "
+                              "disabled on rank 1"),
     "wire-dtype-on-one-host": (4, {"env": {}, "hosts_of": 2},
                                {"0": {"SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"},
                                 "1": {"SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}},

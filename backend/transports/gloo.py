@@ -36,8 +36,8 @@ _SLICE_ENDED = "Operation timed out!"  # what c10d's Work.wait(timeout) raises w
 # its next one only that the connection closed. Nothing reaches this rank to tell the two apart.
 _PEER_GONE_HINT = (" (a peer's process ended. If its output shows gloo's \"Received data size doesn't match "
                    "expected size\", ranks called collectives of different sizes: gloo aborted that rank, and "
-                   "this rank's earlier result may be wrong. SMDDP_CHECK_COLLECTIVES=1 makes every rank raise "
-                   "naming each rank's call instead, before any data moves.)")
+                   "this rank's earlier result may be wrong. Without SMDDP_CHECK_COLLECTIVES=0 (the check is on by "
+                   "default) every rank raises naming each rank's call instead, before any data moves.)")
 
 
 class _SliceEnded(Exception):

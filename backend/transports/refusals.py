@@ -24,8 +24,8 @@ collective that only some ranks call, or a broadcast from different roots): a ra
 call has lasted MISMATCH_LOOK_AFTER_S posts the signature (signatures.py) of the step it waits in
 once, and compares it with the one a peer waiting in the same step posted first. A rank that finds
 a different one announces it, and every waiting rank raises CollectiveMismatchError instead of
-waiting for the group's timeout. Calls that complete in time pay nothing; without
-SMDDP_CHECK_COLLECTIVES, calls that differ but still pair with each other (gloo and MPI match
+waiting for the group's timeout. Calls that complete in time pay nothing; with
+SMDDP_CHECK_COLLECTIVES=0, calls that differ but still pair with each other (gloo and MPI match
 operations by order) are not found this way.
 """
 
