@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -107,6 +108,25 @@ def launch(target: str, world_size: int, *, env: dict[str, str] | None = None, t
             results = _collect(procs, Path(tmp), timeout)
     del store
     return results
+
+
+def torchrun(args: list[str], *, cwd, nproc: int = 2, timeout: float = 300,
+             python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone --nproc-per-node N ARGS`` as a user runs it:
+    the installed smddp_lite, no variables of this test session. On timeout the launcher and its
+    ranks are killed together (killing the launcher alone leaves its ranks running)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SMDDP_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "PYTHONPATH")}
+    proc = subprocess.Popen([sys.executable, *python_flags, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", str(nproc), *args], cwd=cwd, env=dict(env, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"torchrun {' '.join(args)} did not finish in {timeout} s:\n{out}\n{err}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def mpiexec() -> str | None:

@@ -70,16 +70,10 @@ def test_a_script_that_never_imports_smddp_lite_gets_the_backend(tmp_path):
     """init_process_group(backend="smddp") ended in torch's "Unknown backend type smddp" unless the
     script imported smddp_lite: scripts written for SageMaker's library import another package."""
     import json
-    import subprocess
-    import sys
 
     script = tmp_path / "train.py"
     script.write_text(_NEVER_IMPORTS_SMDDP_LITE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMDDP_", "TORCHELASTIC_"))
-           and k not in ("RANK", "WORLD_SIZE", "PYTHONPATH")}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script)], cwd=tmp_path, env=dict(env, OMP_NUM_THREADS="1"),
-                         capture_output=True, text=True, timeout=120)
+    run = harness.torchrun([str(script)], cwd=tmp_path, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -18,12 +15,8 @@ EXAMPLES = {"hf_trainer": "transformers", "accelerate_loop": "accelerate", "ligh
 
 
 def _run(example: str, backend: str, out) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SMDDP_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE")}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", f"smddp_lite.examples.{example}", "--backend", backend, "--out", str(out)],
-                         cwd=harness.ROOT, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                         timeout=300)
+    run = harness.torchrun(["-m", f"smddp_lite.examples.{example}", "--backend", backend, "--out", str(out)],
+                           cwd=harness.ROOT)
     assert run.returncode == 0, f"{example} on {backend}:\n{run.stdout}\n{run.stderr}"
     return json.loads(out.read_text())
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -26,20 +23,12 @@ def _python_examples() -> dict[str, str]:
     return examples
 
 
-def _torchrun(args: list[str], cwd, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SMDDP_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "PYTHONPATH")}
-    return subprocess.run([sys.executable, "-W", "error", "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", *args], cwd=cwd, env=dict(env, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.parametrize("where", list(_python_examples()))
 def test_python_examples_run_on_two_cpu_ranks_without_a_warning(tmp_path, where):
     """The compiled-step example built a GradScaler("cuda"), which warns on a CPU machine."""
     script = tmp_path / "example.py"
     script.write_text("import warnings\nwarnings.simplefilter('error')\n" + _python_examples()[where])
-    run = _torchrun([str(script)], cwd=tmp_path)
+    run = harness.torchrun([str(script)], cwd=tmp_path, python_flags=("-W", "error"))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Warning" not in run.stderr, run.stderr
 
@@ -49,6 +38,6 @@ def test_the_main_job_of_the_quick_start_trains():
     command = next(line for line in text.splitlines() if line.startswith("pip install") and "torchrun" in line)
     launch = command.split("&& torchrun ", 1)[1].split()
     assert launch[:3] == ["--standalone", "--nproc-per-node", "2"], command
-    run = _torchrun(launch[3:], cwd=harness.ROOT)
+    run = harness.torchrun(launch[3:], cwd=harness.ROOT, python_flags=("-W", "error"))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Warning" not in run.stderr, run.stderr
