@@ -124,7 +124,7 @@ class Collectives:
     def __init__(self, transport: Transport, check_signatures: bool, scratch_max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.transport = transport
         self.rank, self.world_size = transport.rank, transport.world_size
-        self._check = check_signatures and not transport.checks_signatures
+        self._check = check_signatures and not transport.capabilities.checks_signatures
         # float32 copies of 16-bit messages, reused (scratch.py says why)
         self.scratch = Scratch(scratch_max_bytes)
 
@@ -168,7 +168,7 @@ class Collectives:
     def _needs_float32(self, dtype: torch.dtype, op: RedOp | None) -> bool:
         """16-bit floats go over the wire as float32 when the transport cannot accumulate them in
         float32 itself, and for AVG (so the sum is divided before its single rounding)."""
-        return dtype in LOW_PRECISION and (op is RedOp.AVG or not self.transport.accumulates_low_precision)
+        return dtype in LOW_PRECISION and (op is RedOp.AVG or not self.transport.capabilities.accumulates_low_precision)
 
     def _wire(self, flat: torch.Tensor, op: RedOp) -> tuple[torch.Tensor, RedOp, Callable[[], None]]:
         """The tensor the transport reduces, the op it applies, and the write-back afterwards."""
@@ -188,7 +188,7 @@ class Collectives:
 
     def _sums_in_pieces(self, flat: torch.Tensor, op: RedOp) -> bool:
         return (flat.dtype in LOW_PRECISION and op in (RedOp.SUM, RedOp.AVG) and self.world_size > 1
-                and not self.transport.accumulates_low_precision
+                and not self.transport.capabilities.accumulates_low_precision
                 and flat.numel() * flat.element_size() >= PIECES_MIN_BYTES)
 
     def _sum_in_pieces(self, step: Call, flat: torch.Tensor, op: RedOp) -> None:
@@ -233,7 +233,7 @@ class Collectives:
             flat, unpack = _pack(group)
             step = self._agree(call, "all_reduce", flat.dtype, flat.numel(), int(op))
             flat = premultiplied(flat)
-            if op is RedOp.AVG and flat.dtype in self.transport.all_reduces_16_bit_avg:
+            if op is RedOp.AVG and flat.dtype in self.transport.capabilities.all_reduces_16_bit_avg:
                 self.transport.all_reduce(step, flat, op)  # 16 bits on the network (widened: twice the bytes)
             elif self._sums_in_pieces(flat, op):
                 round_numel = PIECES_ROUND_BYTES // flat.element_size()
@@ -288,7 +288,7 @@ class Collectives:
         step = self._agree(call, "reduce_scatter", src.dtype, dst.numel(), int(op))
         if src.dtype is torch.bool:
             self.transport.reduce_scatter(step, dst.view(torch.uint8), src.view(torch.uint8), _BOOL_OP[op])
-        elif src.dtype in self.transport.reduce_scatters_16_bit and op in (RedOp.SUM, RedOp.AVG):
+        elif src.dtype in self.transport.capabilities.reduce_scatters_16_bit and op in (RedOp.SUM, RedOp.AVG):
             self.transport.reduce_scatter(step, dst, src, op)  # 16 bits on the network (widened: twice the bytes)
         else:
             wire_out, wire_op, finish = self._wire(dst, op)

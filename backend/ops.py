@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 class RedOp(enum.IntEnum):
     """Reduction ops a transport sees. AVG reaches a transport only in a 16-bit reduce_scatter or
-    all_reduce on one whose ``reduce_scatters_16_bit`` or ``all_reduces_16_bit_avg`` holds the
+    all_reduce on one whose ``Capabilities.reduce_scatters_16_bit`` or ``all_reduces_16_bit_avg`` holds the
     dtype (and the hierarchical transport's part inside a host, in its float16 AVG's
     reduce_scatter); elsewhere the algorithms layer turns it into SUM and a division."""
 

@@ -120,7 +120,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         store = _own_keys(store, world_size)
         self.transport, reason = create_transport(store, rank, world_size, global_ranks, timeout, self.config)
         self.collectives = Collectives(self.transport, self.config.checks_collectives, self.config.scratch_max_bytes)
-        self._comm = CommThread(f"smddp-comm-{group_name or 'default'}", inline=self.transport.runs_inline)
+        self._comm = CommThread(f"smddp-comm-{group_name or 'default'}", inline=self.transport.capabilities.runs_inline)
         self._calls = 0
         self._rank_and_size = (rank, world_size)  # for every call's Work (rank()/size() cross into C++)
         self._failure: str | None = None

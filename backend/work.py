@@ -255,7 +255,7 @@ def run_into(fn: Callable[[], Any], work: SMDDPWork) -> SMDDPWork:
 
 class CommThread:
     """Runs submitted collectives one after another, in the order they came: on a daemon thread
-    of the group's, or on the caller's thread when ``inline`` (see ``Transport.runs_inline``).
+    of the group's, or on the caller's thread when ``inline`` (see ``Capabilities.runs_inline``).
 
     A caller that waits for a call the thread has not started yet, and that is next in line,
     runs it itself (``run_if_next``): a plain ``dist.all_reduce`` waits at once, and handing the

@@ -1,9 +1,10 @@
 """The interface every transport implements.
 
 Tensors arrive flat (1-D), contiguous and on the CPU; the algorithms layer has already turned AVG
-into SUM (except the 16-bit AVGs a transport takes itself: ``reduce_scatters_16_bit``,
+into SUM (except the 16-bit AVGs a transport takes itself: ``Capabilities.reduce_scatters_16_bit``,
 ``all_reduces_16_bit_avg``), bool into uint8 and, when ``accumulates_low_precision`` is False,
-16-bit floats into float32. Every collective method takes the ``Call`` (call.py) it runs a step
+16-bit floats into float32. A transport declares what it can do once, in its class's
+``capabilities``; the algorithms layer reads them and decides the numerics. Every collective method takes the ``Call`` (call.py) it runs a step
 of, blocks until this rank's part is done and raises ``SMDDPError`` (with the transport's own
 error text) on failure. What describes a transport to its user (its refusal board, the ranks and
 role its messages name) is given to its constructor, and nothing else sets its attributes.
@@ -12,7 +13,9 @@ role its messages name) is given to its constructor, and nothing else sets its a
 from __future__ import annotations
 
 import abc
+import dataclasses
 import itertools
+from typing import ClassVar
 
 import torch
 
@@ -21,8 +24,10 @@ from ..errors import where
 from ..ops import RedOp
 
 
-class Transport(abc.ABC):
-    name: str = "?"
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a transport does itself, declared once per transport class."""
+
     accumulates_low_precision: bool = False
     """True when the transport itself sums float16/bfloat16 in float32 (so callers need not
     upcast before sending)."""
@@ -44,6 +49,11 @@ class Transport(abc.ABC):
     thread and pay for the hand-off: 44 us against 58 us per small all_reduce, and far more
     when other threads (a gloo group's, say) share the process. Network-bound transports keep
     the thread so that DDP overlaps their waiting with backward compute."""
+
+
+class Transport(abc.ABC):
+    name: str = "?"
+    capabilities: ClassVar[Capabilities] = Capabilities()
     refusals = None
     """The group's RefusalBoard (refusals.py) for transports whose waits cannot otherwise learn
     that a peer refused the call they wait in, or called a different one (gloo, MPI, the

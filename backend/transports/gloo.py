@@ -15,7 +15,7 @@ from ..call import Call
 from ..errors import PeerFailureError
 from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum
 from ..scratch import DEFAULT_MAX_BYTES, Scratch
-from .base import Transport, overlap
+from .base import Capabilities, Transport, overlap
 from .refusals import POLL, POLL_S, explained
 
 _TORCH_OP = {
@@ -49,7 +49,7 @@ class GlooTransport(Transport):
     # its reduce_scatter is an all_to_all of the inputs' blocks and a local sum, so 16-bit blocks
     # can cross as they are and be summed (and an AVG divided) in float32: the widened float32
     # blocks it received before gave the same bits in twice the bytes
-    reduce_scatters_16_bit = frozenset(LOW_PRECISION)
+    capabilities = Capabilities(reduce_scatters_16_bit=frozenset(LOW_PRECISION))
 
     def __init__(self, store, rank: int, world_size: int, timeout, scratch_max_bytes: int = DEFAULT_MAX_BYTES,
                  **shown) -> None:

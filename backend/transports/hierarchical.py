@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from ..call import Call
 from ..ops import LOW_PRECISION, RedOp, as_sum
-from .base import Transport
+from .base import Capabilities, Transport
 from .gloo import GlooTransport
 from .refusals import RefusalBoard
 
@@ -82,13 +82,13 @@ class Topology:
 
 class HierarchicalTransport(Transport):
     name = "hierarchical"
-    accumulates_low_precision = True  # shm sums 16-bit in float32; so does the inter-host step
-    # A 16-bit AVG crosses hosts in its own dtype: its last step sums in float32, so it can divide
-    # there before its one rounding (_start_compressed_sum, and gloo's reduce_scatter). A float16
-    # host sum can overflow where the mean cannot, so float16 averages inside the host first
-    # (_averaged_in_host); bfloat16 has float32's range and sends its host sums, as a SUM does.
-    reduce_scatters_16_bit = frozenset(LOW_PRECISION)
-    all_reduces_16_bit_avg = frozenset(LOW_PRECISION)
+    # shm sums 16-bit in float32; so does the inter-host step. A 16-bit AVG crosses hosts in its
+    # own dtype: its last step sums in float32, so it can divide there before its one rounding
+    # (_start_compressed_sum, and gloo's reduce_scatter). A float16 host sum can overflow where
+    # the mean cannot, so float16 averages inside the host first (_averaged_in_host); bfloat16
+    # has float32's range and sends its host sums, as a SUM does.
+    capabilities = Capabilities(accumulates_low_precision=True, reduce_scatters_16_bit=frozenset(LOW_PRECISION),
+                                all_reduces_16_bit_avg=frozenset(LOW_PRECISION))
 
     def __init__(self, store, rank: int, world_size: int, topology: Topology, intra_factory, timeout, config) -> None:
         # A refusal of one of this group's calls is posted under the group's call index, and every

@@ -6,14 +6,13 @@ import torch
 
 from ..call import Call
 from ..ops import RedOp
-from .base import Transport
+from .base import Capabilities, Transport
 
 
 class LocalTransport(Transport):
     name = "local"
-    accumulates_low_precision = True  # nothing is summed
-    runs_inline = True
-    checks_signatures = True  # nobody to disagree with
+    # nothing is summed, and nobody can disagree
+    capabilities = Capabilities(accumulates_low_precision=True, runs_inline=True, checks_signatures=True)
 
     def __init__(self, **shown) -> None:
         super().__init__(0, 1, **shown)

@@ -20,7 +20,7 @@ import torch
 from ..call import Call
 from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum, dtype_of_code, moved_as_bytes, signature_code
 from ..signatures import OPS, REDUCE_ROOT_FACTOR
-from .base import Transport, block_offsets
+from .base import Capabilities, Transport, block_offsets
 from .shm_segment import ShmSegment
 
 _NO_CALL_SHOWN = (0, 0, 0, 0)  # a header's user-call fields when the op is no step of another call
@@ -41,11 +41,9 @@ def _signature(header: tuple[int, ...]) -> list[int]:
 
 class ShmTransport(Transport):
     name = "shm"
-    accumulates_low_precision = True
-    reduce_scatters_16_bit = frozenset(LOW_PRECISION)
-    all_reduces_16_bit_avg = frozenset(LOW_PRECISION)
-    runs_inline = True
-    checks_signatures = True
+    capabilities = Capabilities(accumulates_low_precision=True, reduce_scatters_16_bit=frozenset(LOW_PRECISION),
+                                all_reduces_16_bit_avg=frozenset(LOW_PRECISION), runs_inline=True,
+                                checks_signatures=True)
 
     def __init__(self, store, rank: int, world_size: int, chunk_bytes: int, timeout, **shown) -> None:
         super().__init__(rank, world_size, **shown)
