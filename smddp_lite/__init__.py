@@ -33,6 +33,10 @@ def __getattr__(name: str):
         return compile
     raise AttributeError(f"module 'smddp_lite' has no attribute {name!r}")
 
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "compile"})
+
 # One line on rank 0 says which transport runs (SMDDP users were bitten by silent fallbacks).
 # Applications that configure logging themselves keep full control of this logger.
 _log = _logging.getLogger("smddp_lite")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 
+# defined here, where nothing of the package is imported, and re-exported by _registration
 BACKEND_NAME = "smddp"
 
 

@@ -11,8 +11,9 @@ import warnings
 
 import torch.distributed as dist
 
+from ._autoload import BACKEND_NAME, create_on_first_use
+
 log = logging.getLogger("smddp_lite")
-BACKEND_NAME = "smddp"
 
 
 def _current_owner() -> str | None:
@@ -26,12 +27,10 @@ def register() -> None:
     """Make ``init_process_group(backend="smddp")`` use smddp-lite for CPU and CUDA tensors."""
     from smddp_lite.backend.process_group import create_process_group
 
-    from smddp_lite import _autoload
-
     owner = _current_owner()
     if owner == create_process_group.__module__:
         return
-    if owner is not None and owner != _autoload.__name__:  # the stand-in torch's import registered is ours
+    if owner is not None and owner != create_on_first_use.__module__:  # the stand-in torch's import registered is ours
         warnings.warn(
             f"smddp-lite: backend 'smddp' was registered by {owner} (likely AWS's smdistributed "
             "package); smddp-lite now replaces it in this process. Import only one of them.",

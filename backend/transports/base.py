@@ -4,9 +4,9 @@ Tensors arrive flat (1-D), contiguous and on the CPU; the algorithms layer has a
 into SUM (except the 16-bit AVGs a transport takes itself: ``Capabilities.reduce_scatters_16_bit``,
 ``all_reduces_16_bit_avg``), bool into uint8 and, when ``accumulates_low_precision`` is False,
 16-bit floats into float32. A transport declares what it can do once, in its class's
-``capabilities``; the algorithms layer reads them and decides the numerics. Every collective method takes the ``Call`` (call.py) it runs a step
-of, blocks until this rank's part is done and raises ``SMDDPError`` (with the transport's own
-error text) on failure. What describes a transport to its user (its refusal board, the ranks and
+``capabilities``; the algorithms layer reads them and decides the numerics. Every collective
+method takes the ``Call`` (call.py) it runs a step of, blocks until this rank's part is done and
+raises ``SMDDPError`` (with the transport's own error text) on failure. What describes a transport to its user (its refusal board, the ranks and
 role its messages name) is given to its constructor, and nothing else sets its attributes.
 """
 
