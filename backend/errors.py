@@ -34,6 +34,13 @@ class SMDDPError(dist.DistBackendError):
     backend errors handles ours."""
 
 
+class InvalidCallError(ValueError, RuntimeError):
+    """A call refused for its arguments (a dtype or op it cannot take, tensors of the wrong sizes),
+    on this rank, before any of its data moved. Both a ValueError, as torch's Python layer raises
+    for bad arguments, and a RuntimeError, as torch's gloo and nccl backends raise for the same
+    calls: code written against any of them catches it."""
+
+
 class CollectiveMismatchError(SMDDPError):
     """Ranks called different collectives, or the same one with different sizes or dtypes."""
 

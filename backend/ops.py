@@ -151,6 +151,18 @@ def reduction(reduce_op: object) -> tuple[RedOp, Factor | None]:
                      f"{found}; pass dist.ReduceOp.PREMUL_SUM(factor) or dist._make_nccl_premul_sum(factor)")
 
 
+def complex_as_real(tensors: list, op: RedOp) -> list:
+    """Complex tensors as views of their (real, imaginary) pairs where ``op`` adds them (SUM and
+    AVG; a PREMUL_SUM arrives here as SUM): a complex sum is the sums of its parts, as torch's
+    all_reduce and NCCL compute it, and the views share the tensors' memory, so results land in
+    them. Other ops keep complex tensors, which the checks refuse; so are lazy conjugate views
+    left as they are, for the checks' own message."""
+    if op not in (RedOp.SUM, RedOp.AVG):
+        return tensors
+    return [torch.view_as_real(t) if isinstance(t, torch.Tensor) and t.is_complex() and not t.is_conj() else t
+            for t in tensors]
+
+
 def divide_(t: torch.Tensor, by: int) -> torch.Tensor:
     """``t`` divided by ``by`` in place, as an AVG finishes: an integer tensor's quotient is
     truncated toward zero, as NCCL averages integers (torch's "nccl" backend accepts them)."""

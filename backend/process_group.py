@@ -24,7 +24,7 @@ import torch.distributed as dist
 from . import ops
 from .algorithms import Collectives
 from .call import Call
-from .errors import RecoverableMismatchError, SMDDPError, where
+from .errors import InvalidCallError, RecoverableMismatchError, SMDDPError, where
 from .p2p import PeerLinks
 from .transports import create_transport
 from .work import CommThread, SMDDPWork
@@ -230,8 +230,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def _refuse(self, op: str, call: int, exc: Exception) -> NoReturn:
         """Raise ``exc`` on this rank naming rank and op, after queueing the refusal of ``call``
-        for its peers (on the communication thread, after earlier calls): bad arguments as a
-        ValueError, a call on a group that failed as the same ``DistBackendError`` its waits raise."""
+        for its peers (on the communication thread, after earlier calls): bad arguments as an
+        InvalidCallError, a call on a group that failed as the same ``DistBackendError`` its waits
+        raise."""
         message = f"{where(self.rank(), self.size(), op)} {exc}"
         if not self._closed:
             self._comm.submit(lambda: self._refused(op, call, message), self._work(op, []))
@@ -283,6 +284,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if t.is_quantized:
             raise ValueError(f"quantized tensors ({ops.dtype_name(t.dtype)}) are not supported; send t.int_repr() "
                              "and the scale and zero point, as with torch's own backends")
+        if t.is_complex() and op in ops.REDUCING_OPS:  # the summing ops took their real view already
+            raise ValueError(f"{ops.dtype_name(t.dtype)} tensors are reduced only by SUM, AVG and PREMUL_SUM (which "
+                             "add real and imaginary parts apart); MIN, MAX, PRODUCT and the bitwise ops do not apply "
+                             "to complex numbers, and torch's own backends refuse them too")
         if t.dtype not in ops.DTYPES and op in ops.REDUCING_OPS:
             raise ValueError(f"dtype {ops.dtype_name(t.dtype)} is not supported by reductions; supported: "
                              f"{ops.supported_dtype_names()}. Ops that only move data (broadcast, all_gather, "
@@ -300,8 +305,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     @_device_aware("all_reduce")
     def allreduce(self, tensors, opts=None):
         with self._preparing("all_reduce"):
-            tensors = _as_list(tensors)
             op, factor = self._reduce_op(opts or dist.AllreduceOptions())
+            tensors = ops.complex_as_real(_as_list(tensors), op)
 
         def premultiplied(t: torch.Tensor) -> torch.Tensor:
             """For a PREMUL_SUM, ``t`` times the factor, in place (the result overwrites it
@@ -330,8 +335,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
         with self._preparing("reduce"):
-            tensors = _as_list(tensors)
             (op, factor), root = self._reduce_op(opts), opts.rootRank
+            tensors = ops.complex_as_real(_as_list(tensors), op)
 
         def check() -> None:
             self._root(root)
@@ -421,9 +426,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     @_device_aware("reduce_scatter")
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         with self._preparing("reduce_scatter"):
-            inputs = list(_inner_list(input_tensors))
-            outputs = _as_list(output_tensors)
             op, factor = self._reduce_op(opts or dist.ReduceScatterOptions())
+            inputs = ops.complex_as_real(list(_inner_list(input_tensors)), op)
+            outputs = ops.complex_as_real(_as_list(output_tensors), op)
 
         def check() -> None:
             _one_tensor("reduce_scatter", outputs)
@@ -443,6 +448,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         with self._preparing("reduce_scatter_tensor"):
             op, factor = self._reduce_op(opts or dist.ReduceScatterOptions())
+            output, input = ops.complex_as_real([output, input], op)
 
         def check() -> None:
             self._sized("reduce_scatter_tensor", input, output, self.size())
@@ -695,8 +701,8 @@ class _Preparing:
 
 def _refusal_type(exc: Exception) -> type[Exception]:
     """What a refused call raises: the group's failure keeps its DistBackendError type; bad
-    arguments (and a destroyed group) are a ValueError."""
-    return type(exc) if isinstance(exc, dist.DistBackendError) else ValueError
+    arguments (and a destroyed group) are an InvalidCallError (a ValueError and a RuntimeError)."""
+    return type(exc) if isinstance(exc, dist.DistBackendError) else InvalidCallError
 
 
 def _as_list(tensors) -> list[torch.Tensor]:

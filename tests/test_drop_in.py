@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import functools
 import os
 
 import pytest
@@ -37,7 +39,7 @@ def test_all_gather_coalesced_lays_out_outputs_as_gloo_does():
         assert mine["outputs"] == theirs["outputs"], (rank, mine["outputs"], theirs["outputs"])
         assert mine["outputs"][2][1] == [20.0, 21.0, 22.0, 23.0], mine
         error = mine["wrong_count"]
-        assert error["type"] == "ValueError" and "expected 3 output lists" in error["message"], error
+        assert error["type"] == "InvalidCallError" and "expected 3 output lists" in error["message"], error
 
 
 def test_compile_and_its_steps_raise_no_warning_from_this_project():
@@ -93,3 +95,55 @@ def test_either_import_order_registers_smddp_lite_without_a_warning(first):
     run = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stderr == "", run.stderr
     assert run.stdout.strip() == "smddp_lite.backend.process_group"
+
+
+SWEPT = {  # transport: (launcher, environment, layout); 3 ranks each, against torch's gloo at 3 ranks
+    "shm": ("env", {"SMDDP_TRANSPORT": "shm"}, {}),
+    "gloo": ("env", {"SMDDP_TRANSPORT": "gloo"}, {}),
+    "hierarchical": ("env", {"SMDDP_ALGORITHM": "hierarchical"}, {"hosts_of": 2}),  # hosts of 2 ranks and 1
+    "mpi": ("mpi", {"SMDDP_TRANSPORT": "mpi"}, {}),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _swept(transport: str) -> list[dict]:
+    if transport == "torch-gloo":
+        return harness.values(harness.launch("tests.sweep:run", 3, backend="gloo", timeout=300))
+    launcher, env, layout = SWEPT[transport]
+    if launcher == "mpi":
+        return harness.values(harness.launch_mpi("tests.sweep:run", 3, env=env, timeout=300))
+    return harness.values(harness.launch("tests.sweep:run", 3, env=env, timeout=300, **layout))
+
+
+@pytest.mark.parametrize("transport", [pytest.param(t, marks=[pytest.mark.mpi] if t == "mpi" else []) for t in SWEPT])
+def test_every_call_gloo_accepts_is_accepted_with_its_result(transport):
+    """The sweep of tests/sweep.py: every collective, dtype, reduction, blocking and async, in place
+    or not. Where torch's gloo gives the right result, smddp gives the same bytes; where gloo
+    refuses, smddp refuses too (as an exception of a type that catches gloo's) or gives what NCCL
+    gives; it never gives a wrong result, nor invents one for a call no backend defines."""
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+    ours, reference = _swept(transport), _swept("torch-gloo")
+    problems, tally = [], collections.Counter()
+    for rank, (mine, theirs) in enumerate(zip(ours, reference)):
+        assert mine.keys() == theirs.keys()
+        for call, got in mine.items():
+            want = theirs[call]
+            if got[0] == "ok" and got[2] != "right":
+                problems.append(f"rank {rank} {call}: smddp gave {got[2]}")
+            elif want[0] == "ok" and want[2] == "right":
+                if got[0] != "ok" or got[1] != want[1]:
+                    problems.append(f"rank {rank} {call}: gloo gave the right result, smddp {got}")
+                tally["both give the same bytes"] += 1
+            elif want[0] == "ok":  # gloo's bool SUM (bytes of 2), its complex AVG of reduce and reduce_scatter
+                if got[0] != "ok":
+                    problems.append(f"rank {rank} {call}: gloo accepts it, smddp {got}")
+                tally["gloo gives a wrong result, smddp the right one"] += 1
+            elif got[0] == "ok":
+                tally["gloo refuses, smddp gives NCCL's result"] += 1
+            else:
+                if want[1] not in got[3]:
+                    problems.append(f"rank {rank} {call}: gloo raised {want[1]}, smddp {got[1]} (caught as {got[3]})")
+                tally["both refuse"] += 1
+    print(f"\n{transport}: " + "; ".join(f"{what}: {n}" for what, n in sorted(tally.items())))
+    assert not problems, f"{len(problems)} calls differ:\n" + "\n".join(problems[:40])

@@ -390,7 +390,7 @@ def test_rank_refusing_a_call_releases_its_waiting_peers(transport, kind, retry)
         if transport != "shm":  # shm's own check sees the call numbers differ (CollectiveMismatchError)
             assert "were inside it" in again["message"] and "no longer line up" in again["message"], again
     words = REFUSAL_WORDS[kind]
-    assert reports[refuser]["type"] == "ValueError" and words in reports[refuser]["message"], reports[refuser]
+    assert reports[refuser]["type"] == "InvalidCallError" and words in reports[refuser]["message"], reports[refuser]
     assert reports[refuser]["message"].startswith(f"[smddp rank {refuser}/{world} "), reports[refuser]
     # the others are inside the all_reduce when the last rank refuses it: each hears so and says
     # why, long before the 60 s timeout (the group's default is 30 minutes)
