@@ -6,6 +6,7 @@ import contextlib
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -249,15 +250,18 @@ def _stay_until_peers_report(store, peers) -> None:
         time.sleep(0.01)
 
 
-def one_rank_refuses(retry: bool = False, kind: str = "dtype") -> dict:
+def one_rank_refuses(retry: bool = False, kind: str = "dtype", peers_late: str | None = None) -> dict:
     """The last rank makes a call the backend refuses (``REFUSED_CALLS[kind]``) while the others
     wait inside theirs (after a call that works, so each transport is past its first, lazily
     connecting, call). With ``retry`` it then calls again at once with good input, as a script
     that catches the error and goes on does: that call must raise too, not pair with the call
-    the others left."""
+    the others left. With ``peers_late`` (a path) the others enter the call only once the refuser
+    retries, which it says by making that file: they first see a peer in another call."""
     smddp_lite.init(timeout=timedelta(seconds=60))
     dist.all_reduce(torch.ones(3))
     rank, refuser = dist.get_rank(), dist.get_world_size() - 1
+    if peers_late:
+        return _refused_before_peers_arrive(rank, refuser, REFUSED_CALLS[kind], Path(peers_late))
     # The others say when they start the call, and the refuser waits for that and then a while:
     # a peer that had not started it when the refusal came would refuse it too, rightly letting the
     # refuser's retry go on, and a plain half-second sleep let that happen on a loaded machine.
@@ -275,6 +279,26 @@ def one_rank_refuses(retry: bool = False, kind: str = "dtype") -> dict:
         _stay_until_peers_report(store, range(refuser))
     else:
         store.set(f"test-reported/{rank}", "1")
+    return error
+
+
+def _refused_before_peers_arrive(rank: int, refuser: int, calls, flag: Path) -> dict:
+    # a file says the refusal happened, not the store: the refuser's store client is busy
+    # posting the refusal and waiting for its peers' outcome (a client serves one request at a time)
+    store = dist.distributed_c10d._get_default_store()
+    waits, refuses = calls
+    if rank == refuser:
+        error = _error_of(refuses)
+        flag.touch()
+        error["retry"] = _error_of(lambda: dist.all_reduce(torch.ones(3)))
+        _stay_until_peers_report(store, range(refuser))
+        return error
+    deadline = time.monotonic() + 60
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # the refuser's retry is published by now
+    error = _error_of(waits)
+    store.set(f"test-reported/{rank}", "1")
     return error
 
 

@@ -412,6 +412,29 @@ def test_rank_refusing_a_call_releases_its_waiting_peers(transport, kind, retry)
         assert words in report["message"], (rank, report)
 
 
+@pytest.mark.parametrize("transport", ["shm", "gloo-checked", "hierarchical", "mpi"])
+def test_a_refusal_is_reported_as_itself_when_the_refuser_is_already_in_its_next_call(transport, tmp_path):
+    """The refuser goes on to its next call before its peers enter the refused one, so they first
+    see a peer in another call: shm's header check reported call numbers that differ instead of
+    the refusal and its reason. Every rank's error names the refusal now, the refuser's included."""
+    world, launch = REFUSAL_LAUNCHES[transport]
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+        results = harness.launch_mpi("tests.programs:one_rank_refuses", world, kind="dtype",
+                                     peers_late=str(tmp_path / "refused"), **launch)
+    else:
+        results = harness.launch("tests.programs:one_rank_refuses", world, kind="dtype",
+                                 peers_late=str(tmp_path / "refused"), **launch)
+    reports = harness.values(results)
+    refuser = world - 1
+    assert reports[refuser]["type"] == "InvalidCallError", reports[refuser]
+    assert "this rank refused" in reports[refuser]["retry"]["message"], reports[refuser]
+    for rank, report in enumerate(reports[:refuser]):
+        assert report["type"] == "PeerRefusedError", (rank, report)
+        assert f"rank {refuser} refused this call" in report["message"], (rank, report)
+        assert REFUSAL_WORDS["dtype"] in report["message"], (rank, report)
+
+
 def test_shm_forced_across_hosts_is_refused_on_every_rank():
     """Rank 0 decides the transport; it raised the clear error, and the other ranks waited for
     its decision until the group's timeout."""

@@ -118,6 +118,7 @@ class ShmSegment:
         if (headers == np.asarray(header, dtype=np.int64)).all():
             return
         rows = [tuple(int(v) for v in h) for h in headers]
+        self._refusal_behind_mismatch(header[1], rows)
         look = None
         if len({row[_CALL_FIELDS] for row in rows}) == 1 and any(rows[0][_CALL_FIELDS]):
             # the users' calls (shown where the ops are steps of one: the hierarchical
@@ -134,6 +135,19 @@ class ShmSegment:
         if announce is not None:
             announce(said)
         raise explained(said, self._where(numbered=False))
+
+    def _refusal_behind_mismatch(self, call: int, rows: list[tuple[int, ...]]) -> None:
+        """Headers of different calls where a rank refused one of them and went on to its next
+        call before its peers looked: raise the refusal, with its reason, not the call numbers."""
+        mine = int(self.control[self.rank, REJECTED])
+        for peer, row in enumerate(rows):
+            if peer == self.rank or row[1] == call:
+                continue
+            if self.control[peer, REJECTED] == call:  # it refused the call this rank is inside
+                self._fail(f"rank {self._shown(peer)} refused this call: {self._reason(peer)}", PeerRefusedError)
+            if mine == row[1]:  # this rank refused the call the peer is inside, and came to the next
+                self._fail(f"rank {self._shown(peer)} is inside call #{row[1]}, which this rank refused "
+                           f"({self._reason(self.rank)}), so this rank's later calls cannot pair with its peers'")
 
     # control plane ---------------------------------------------------------------------------
     broken = False
