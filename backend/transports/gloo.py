@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from ..call import Call
-from ..errors import PeerFailureError
+from ..errors import PeerFailureError, ranks_said
 from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum
 from ..scratch import DEFAULT_MAX_BYTES, Scratch
 from .base import Capabilities, Transport, overlap
+from .local_peers import LocalPeers
 from .refusals import POLL, POLL_S, explained
 
 _TORCH_OP = {
@@ -54,7 +55,9 @@ class GlooTransport(Transport):
     def __init__(self, store, rank: int, world_size: int, timeout, scratch_max_bytes: int = DEFAULT_MAX_BYTES,
                  **shown) -> None:
         super().__init__(rank, world_size, **shown)
+        self._local_peers = LocalPeers(store, self.peers_shown[rank] if self.peers_shown else rank)
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
+        self._local_peers.learn()  # every rank published before gloo's rendezvous let this one through
         # float32 working buffers of reduce_scatter's reduction (used only inside its finish(),
         # which a group runs one at a time, also when several reduce_scatters are in flight)
         self._scratch = Scratch(scratch_max_bytes)
@@ -87,7 +90,12 @@ class GlooTransport(Transport):
             said = self.refusals.news(call.index) if self.refusals is not None else None
             if said is not None:
                 raise explained(said, self.where(call, op)) from exc
-            # Gloo's own text names the peer and the socket error
+            # Gloo's own text names the peer only by its socket address: a rank on this machine
+            # whose process ended is named, and then the mismatch hint does not apply
+            dead = self._local_peers.dead()
+            if dead:
+                raise PeerFailureError(f"{self.where(call, op)} {ranks_said(dead)} on this machine died (its process "
+                                       f"ended); gloo failed: {exc}") from exc
             hint = _PEER_GONE_HINT if "by peer" in str(exc) else ""
             raise PeerFailureError(f"{self.where(call, op)} gloo failed: {exc}{hint}") from exc
 

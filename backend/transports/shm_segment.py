@@ -30,6 +30,7 @@ import torch
 
 from ..errors import PeerFailureError, PeerRefusedError, SegmentRefusedError, where
 from ..signatures import MISMATCH_SAID, mismatch_said
+from .local_peers import alive
 from .refusals import explained
 
 PHASE, PID, BROKEN, REJECTED = 0, 1, 2, 3
@@ -194,7 +195,7 @@ class ShmSegment:
         if said is not None:  # a rank on another host, seen by the whole group (hierarchical)
             self._fail_as_told(said)
         pid = int(self.control[waiting_for, PID])
-        if pid and not _alive(pid):
+        if pid and not alive(pid):
             self._fail(f"rank {self._shown(waiting_for)} (pid {pid}) died")
         if waited_s > self.timeout_s:
             self._fail(
@@ -257,16 +258,6 @@ class ShmSegment:
             with contextlib.suppress(BufferError):
                 self._mm.close()
             self._mm = None
-
-
-def _alive(pid: int) -> bool:
-    """False for a pid that is gone or a zombie (a dead child its parent has not reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
 
 
 _FAILED = "failed:"
