@@ -148,12 +148,14 @@ def skip_without_mpiexec() -> None:
 
 
 def launch_mpi(target: str, world_size: int, *, env: dict[str, str] | None = None, timeout: float = 180,
-               prefix: list[str] | None = None, **kwargs: Any) -> list[RankResult]:
+               prefix: list[str] | None = None, launcher_flags: tuple[str, ...] = (),
+               **kwargs: Any) -> list[RankResult]:
     """Run ``target`` under ``mpiexec -n world_size`` (no RANK/WORLD_SIZE: the MPI way).
-    ``prefix``: a command that runs mpiexec (forbid_process_vm_readv.py, say)."""
+    ``prefix``: a command that runs mpiexec (forbid_process_vm_readv.py, say); ``launcher_flags``:
+    mpiexec's own options (``-disable-auto-cleanup``, say)."""
     mpich_segments = set(Path("/dev/shm").glob("mpich_shm_*"))
     try:
-        return _run_mpi(target, world_size, env, timeout, prefix, kwargs)
+        return _run_mpi(target, world_size, env, timeout, prefix, launcher_flags, kwargs)
     finally:
         # MPICH removes its shared-memory segment in MPI_Finalize; a job whose ranks died or were
         # killed (the failure tests) leaves it behind, 2-3 MB each time
@@ -162,13 +164,13 @@ def launch_mpi(target: str, world_size: int, *, env: dict[str, str] | None = Non
 
 
 def _run_mpi(target: str, world_size: int, env: dict[str, str] | None, timeout: float, prefix: list[str] | None,
-             kwargs: dict[str, Any]) -> list[RankResult]:
+             launcher_flags: tuple[str, ...], kwargs: dict[str, Any]) -> list[RankResult]:
     with tempfile.TemporaryDirectory(prefix="smddp-mpi-") as tmp:
         # -print-all-exitcodes: every rank's wait status in the output, so a failure names the rank
         # that died first (hydra reports one, often a rank it killed in the clean-up)
         proc = subprocess.Popen(
-            [*(prefix or []), mpiexec(), "-print-all-exitcodes", "-n", str(world_size), sys.executable, str(WORKER), target,
-             json.dumps(kwargs), tmp],
+            [*(prefix or []), mpiexec(), "-print-all-exitcodes", *launcher_flags, "-n", str(world_size), sys.executable,
+             str(WORKER), target, json.dumps(kwargs), tmp],
             env=_base_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         )
         (result,) = _collect([proc], Path(tmp), timeout)

@@ -352,6 +352,26 @@ def peer_dies() -> dict:
     return report
 
 
+def mpi_peer_dies(reported: str) -> dict | None:
+    """Under mpiexec -disable-auto-cleanup (the launcher lets the survivors live), the last rank
+    exits abruptly; the others' next collective must raise naming it within seconds, not at the
+    group's 120 s timeout. Each survivor then makes a file in the folder ``reported`` and waits
+    for the others' (a survivor that left sooner would be a second death for the others to see),
+    and leaves without MPI_Finalize, which would wait for the dead rank."""
+    smddp_lite.init(timeout=timedelta(seconds=120))
+    dist.barrier()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == world - 1:
+        os._exit(3)
+    report = _error_of(lambda: dist.all_reduce(torch.ones(1000)))
+    (Path(reported) / str(rank)).touch()
+    deadline = time.monotonic() + 30
+    while len(list(Path(reported).iterdir())) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.environ["TEST_SKIP_MPI_FINALIZE"] = "1"  # read by worker.py once this report is written
+    return report
+
+
 def peer_stuck() -> dict:
     """Rank 1 never calls the collective; rank 0 raises once the group's 3 s timeout passes."""
     smddp_lite.init(timeout=timedelta(seconds=3))

@@ -520,6 +520,23 @@ def test_dead_peer_raises_naming_rank_and_op(transport):
     assert error["destroy_seconds"] < 2 and error["threads_after"] == [], error
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [2, 3])
+def test_dead_peer_under_mpiexec_is_named_by_every_survivor_within_seconds(world, tmp_path):
+    """MPI says nothing when a peer's process ends; under a launcher that lets the survivors live
+    (hydra's -disable-auto-cleanup) they waited in the call until the group's timeout (120 s
+    here, 30 minutes by default) and the message named no rank."""
+    harness.skip_without_mpiexec()
+    results = harness.launch_mpi("tests.programs:mpi_peer_dies", world, env={"SMDDP_TRANSPORT": "mpi"}, timeout=100,
+                                 launcher_flags=("-disable-auto-cleanup",), reported=str(tmp_path))
+    for survivor in results[:-1]:
+        error = survivor.value
+        assert error is not None, (survivor.rank, survivor.error, survivor.output[-3000:])
+        assert error["backend_error"] and error["type"] == "PeerFailureError", error
+        assert f"rank {world - 1} on this machine died" in error["message"], error
+        assert error["seconds"] < 5, error
+
+
 DDP_DEATH_LAUNCHES = {  # transport: (ranks, launch arguments)
     "shm": (2, {"env": {"SMDDP_TRANSPORT": "shm"}}),
     "gloo": (2, {"env": {"SMDDP_TRANSPORT": "gloo"}}),

@@ -52,10 +52,10 @@ class LocalPeers:
             if int(pid) != os.getpid():
                 self._pids[int(rank)] = int(pid)
 
-    def dead(self) -> list[int]:
-        """The ranks on this machine whose process has ended (waiting a moment for one that is
-        ending), in order; empty if none has."""
-        deadline = time.monotonic() + self._SETTLE_S
+    def dead(self, settle: bool = True) -> list[int]:
+        """The ranks on this machine whose process has ended, in order; empty if none has. With
+        ``settle`` (after a failure, not in a polling loop) it waits a moment for one that is ending."""
+        deadline = time.monotonic() + (self._SETTLE_S if settle else 0.0)
         while True:
             gone = sorted(rank for rank, pid in self._pids.items() if not alive(pid))
             if gone or time.monotonic() >= deadline:

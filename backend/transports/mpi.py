@@ -13,9 +13,10 @@ import time
 import torch
 
 from ..call import Call
-from ..errors import PeerFailureError, where
+from ..errors import PeerFailureError, ranks_said, where
 from ..ops import RedOp
 from .base import Transport, block_offsets, overlap
+from .local_peers import LocalPeers
 from .mpi_environment import cma_requested_where_blocked, import_mpi
 from .refusals import POLL_S
 
@@ -79,6 +80,11 @@ class MPITransport(Transport):
             self.comm = world.Create_group(world.Get_group().Incl(members))
         if self.comm.Get_rank() != rank:
             raise RuntimeError(f"{where(rank, world_size, 'init')} MPI rank {self.comm.Get_rank()} != group rank")
+        # MPI says nothing when a peer's process ends (under a launcher that lets the others
+        # live, they would wait for the timeout): the waits look for its pid instead
+        self._local_peers = LocalPeers(store, self.peers_shown[rank] if self.peers_shown else rank)
+        self.comm.Barrier()
+        self._local_peers.learn()
 
     def _run(self, call: Call, op: str, start) -> None:
         """Start a non-blocking MPI call (``start()`` returns its request) and wait for it. An MPI
@@ -112,8 +118,13 @@ class MPITransport(Transport):
                 os.sched_yield()
                 continue
             time.sleep(_SLEEP_S)
-            if self.refusals is not None and now >= next_check:  # a peer that refused this call never enters it
-                self.refusals.raise_if_told(call.index, self.where(call, op))
+            if now >= next_check:
+                if self.refusals is not None:  # a peer that refused this call never enters it
+                    self.refusals.raise_if_told(call.index, self.where(call, op))
+                dead = self._local_peers.dead(settle=False)
+                if dead:
+                    raise PeerFailureError(f"{self.where(call, op)} {ranks_said(dead)} on this machine died (its "
+                                           "process ended) while this rank waited for it in the MPI call")
                 next_check = now + POLL_S
             if waited > self.timeout_s:
                 raise PeerFailureError(
