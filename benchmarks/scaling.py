@@ -35,6 +35,9 @@ VARIANTS = {  # name: (ddp_throughput --variant, extra arguments, environment)
     "smddp-flat": ("smddp", [], {"SMDDP_ALGORITHM": "flat"}),
     "smddp-hier": ("smddp", [], {"SMDDP_ALGORITHM": "auto"}),
     "smddp-hier-bf16": ("smddp", [], {"SMDDP_ALGORITHM": "auto", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}),
+    # the same without the per-call check that ranks made the same call (on by default): its cost
+    "smddp-hier-bf16-unchecked": ("smddp", [], {"SMDDP_ALGORITHM": "auto", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16",
+                                                "SMDDP_CHECK_COLLECTIVES": "0"}),
     # partial sums rounded to bfloat16 on every hop of gloo's ring (the same as above on 2 hosts)
     "smddp-hier-bf16-wire-sums": ("smddp", [], {"SMDDP_ALGORITHM": "auto", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16",
                                                 "SMDDP_INTER_NODE_ACCUMULATE": "wire"}),
