@@ -91,13 +91,11 @@ class GlooTransport(Transport):
             if said is not None:
                 raise explained(said, self.where(call, op)) from exc
             # Gloo's own text names the peer only by its socket address: a rank on this machine
-            # whose process ended is named, and then the mismatch hint does not apply
+            # whose process ended is named (gloo may have aborted it: the hint says when)
             dead = self._local_peers.dead()
-            if dead:
-                raise PeerFailureError(f"{self.where(call, op)} {ranks_said(dead)} on this machine died (its process "
-                                       f"ended); gloo failed: {exc}") from exc
+            named = f"{ranks_said(dead)} on this machine died (its process ended); " if dead else ""
             hint = _PEER_GONE_HINT if "by peer" in str(exc) else ""
-            raise PeerFailureError(f"{self.where(call, op)} gloo failed: {exc}{hint}") from exc
+            raise PeerFailureError(f"{self.where(call, op)} {named}gloo failed: {exc}{hint}") from exc
 
     def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:
         self.all_reduce_async(call, tensor, op)()
