@@ -372,6 +372,35 @@ def mpi_peer_dies(reported: str) -> dict | None:
     return report
 
 
+def rank_0_killed_while_others_map() -> dict | None:
+    """Rank 0 publishes a shared-memory segment and is SIGKILLed while it waits for the others to
+    map it (rank 1 comes a second late). Its name must not stay in /dev/shm: the last rank to map
+    it removes it. Rank 1 then raises, naming rank 0; it reports its error. The segment is made
+    directly, on a group of gloo's (init would line the ranks up before it)."""
+    import glob
+    import signal
+    import threading
+
+    from smddp_lite.backend.transports.shm_segment import ShmSegment
+
+    smddp_lite.init(timeout=timedelta(seconds=20))  # under SMDDP_TRANSPORT=gloo: no segment of its own
+    rank = dist.get_rank()
+    store = dist.PrefixStore("segment-test", dist.distributed_c10d._get_default_store())
+    if rank == 0:
+        mine = f"/dev/shm/smddp-{os.getpid()}-*"
+
+        def kill_once_published() -> None:
+            while not glob.glob(mine):
+                time.sleep(0.005)
+            time.sleep(0.2)  # inside its wait for rank 1 by now
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=kill_once_published, daemon=True).start()
+    else:
+        time.sleep(1.0)
+    return _error_of(lambda: ShmSegment(store, rank, 2, 4096, timedelta(seconds=20)))
+
+
 def peer_stuck() -> dict:
     """Rank 1 never calls the collective; rank 0 raises once the group's 3 s timeout passes."""
     smddp_lite.init(timeout=timedelta(seconds=3))

@@ -75,7 +75,10 @@ class ShmSegment:
         self.control[rank, REJECTED] = -1
         self.phase = 0
         self.op_shown = "init"  # the op this rank is in, as messages name it (entering)
-        store.add("shm/mapped", 1)
+        # the rank that maps last removes the segment's name: rank 0 may be gone by then (killed
+        # while it waited), and the name must not outlive the job
+        if int(store.add("shm/mapped", 1)) == world_size:
+            _unlink_quietly(path)
         if rank == 0:
             self._unlink_once_mapped(store, path)
         self.barrier()  # every pid and flag above is visible before the first collective
@@ -96,7 +99,7 @@ class ShmSegment:
                                "set SMDDP_TRANSPORT=gloo if the ranks do not share /dev/shm")
                 time.sleep(0.001)
         finally:
-            os.unlink(path)
+            _unlink_quietly(path)  # the last rank to map it may have done so already
 
     # data ------------------------------------------------------------------------------------
     def slot(self, step: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -294,6 +297,11 @@ _REFUSED_KEY = "shm/refused"
 def _segment_name() -> str:
     """A fresh name that ``_SEGMENT_NAME`` accepts: rank 0's pid and 48 random bits."""
     return f"smddp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _map_shared(store, rank: int, world_size: int, size: int, timeout_s: float) -> tuple[mmap.mmap, str]:
