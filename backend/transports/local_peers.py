@@ -1,8 +1,9 @@
 """Which ranks of a group run on this machine, and whether their processes still live.
 
 Gloo names a peer whose connection closed only by its socket address (``[127.0.0.1]:23427``), which
-says nothing about which rank it was. Ranks on one machine can tell: each publishes its pid under
-the machine's name at start, and after a failure the survivors look for pids that are gone.
+says nothing about which rank it was, and MPI says nothing at all when a peer's process ends. Ranks
+on one machine can tell: each publishes its pid under the machine's name at start, and the
+survivors look for pids that are gone (gloo after a failure, MPI while it waits).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def _machine() -> str:
 
 
 class LocalPeers:
-    """The pids of the ranks that share this machine. ``publish`` before the group's rendezvous,
-    ``learn`` after it (when every rank has published); ``dead`` after a failure."""
+    """The pids of the ranks that share this machine. Made (which publishes this rank's pid)
+    before the group's rendezvous, ``learn`` after it, when every rank has published; then
+    ``dead`` says which have ended."""
 
     # a process that ended closes its sockets a moment before it becomes a zombie
     _SETTLE_S, _LOOK_EVERY_S = 0.5, 0.05
