@@ -32,16 +32,22 @@ from .work import CommThread, SMDDPWork
 log = logging.getLogger("smddp_lite")
 
 
-def _device_aware(op: str):
-    """Route a collective (``op``, as errors name it) on CUDA tensors: NCCL where the group has it
-    and it can run the call, else the CPU path on host copies (backend/cuda/staged.py). CPU calls
-    pass straight through."""
-    return functools.partial(_route_by_device, op)
+def _device_aware(op: str, fast: str | None = None):
+    """Route a collective (``op``, as errors name it) on CUDA tensors: the fast path's method
+    ``fast`` where the call qualifies (backend/cuda/fast_path.py), else NCCL where the group has
+    it and it can run the call, else the CPU path on host copies (backend/cuda/staged.py). CPU
+    calls pass straight through."""
+    return functools.partial(_route_by_device, op, fast)
 
 
-def _route_by_device(op: str, method):
+def _route_by_device(op: str, fast: str | None, method):
     @functools.wraps(method)
     def route(self: ProcessGroupSMDDP, *args, **kwargs):
+        calls = self._fast_cuda
+        if calls is not None and fast is not None:
+            work = getattr(calls, fast)(self, *args, **kwargs)
+            if work is not None:
+                return work
         with self._preparing(op):
             device = _cuda_device(args)
         if device is None:
@@ -127,6 +133,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._closed = False
         self._store = store
         self._cuda = None  # CudaPaths, made on the first call with CUDA tensors
+        self._fast_cuda = None  # its FastCalls, where NCCL loaded (see _route_by_device)
         self._peers = PeerLinks(store, rank, timeout)  # send/recv links: none is made before its first call
         if rank == 0:
             members = "all ranks" if global_ranks is None else f"global ranks {list(global_ranks)}"
@@ -302,7 +309,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return ops.reduction(getattr(opts, "reduceOp", opts))
 
     # collectives -------------------------------------------------------------------------------
-    @_device_aware("all_reduce")
+    @_device_aware("all_reduce", fast="all_reduce")
     def allreduce(self, tensors, opts=None):
         with self._preparing("all_reduce"):
             op, factor = self._reduce_op(opts or dist.AllreduceOptions())
@@ -323,7 +330,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
-    @_device_aware("broadcast")
+    @_device_aware("broadcast", fast="broadcast")
     def broadcast(self, tensors, opts=None):
         with self._preparing("broadcast"):
             tensors = _as_list(tensors)
@@ -409,7 +416,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         works = [self.allgather([[outs[j] for outs in output_lists]], [inp], opts) for j, inp in enumerate(input_list)]
         return works[-1] if works else self.barrier()
 
-    @_device_aware("all_gather_into_tensor")
+    @_device_aware("all_gather_into_tensor", fast="all_gather_single")
     def all_gather_single(self, output, input, opts=None):
         check = lambda: self._sized("all_gather_into_tensor", output, input, self.size())  # noqa: E731
         return self._run("all_gather_into_tensor", [output, input], [output], check,
@@ -656,6 +663,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 log.log(logging.INFO if self.config.debug else logging.DEBUG, "smddp: group %s moves CUDA tensors "
                         "%s", self._group_name or "default",
                         "through NCCL (cupy)" if self._cuda.nccl else f"through host memory: {self._cuda.reason}")
+            self._fast_cuda = self._cuda.nccl.fast if self._cuda.nccl is not None else None
         return self._cuda
 
     def _cuda_failed(self, reason: str) -> None:

@@ -4,16 +4,16 @@
 #              and the overhead benchmark in nccl-tests format (issue 3's criterion)
 #   tests:     the GPU tests (python -m pytest -m gpu), and the Triton kernels against their
 #              references on the GPU (tests/test_kernels.py)
-#   optimizer: the optimizer-step benchmark (issue 4's criterion), one parameter count at a time,
-#              then the Adam kernel's launch shapes and the norm pass (adam_kernel_sweep.py)
+#   optimizer: the optimizer-step benchmark against the fair baselines (issue 40's criterion), one
+#              parameter count at a time (adam_kernel_sweep.py, run by hand, splits the step)
 # Each step has its own time limit, so one that hangs or runs long costs only its own share, and
 # everything it printed is kept. Usage, from the repository root on the GPU machine:
 #
 #   bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer]
 #
 # The parts run in the order named; with none named, all three, in that order. Their time limits
-# add up to 3, 4 (6.5 with reruns of failed tests) and 6.5 minutes; where one command may run for
-# 10 minutes, run `tests overhead` and then `optimizer`. On an H200 (2026-11-26) the tests took
+# add up to 3, 4 (6.5 with reruns of failed tests) and 6 minutes; where one command may run for
+# 10 minutes, run `overhead tests` and then `optimizer`. On an H200 (2026-11-26) the tests took
 # 210 s, all_reduce's overhead rows under 30 s, and the optimizer benchmarks 64 s at 125M, 83 s
 # at 350M and 28 s at 1B without torch.compile. The tests run side by side where pytest-xdist
 # is installed. The exit status is the number of steps that failed.
@@ -62,10 +62,13 @@ fi
 cat "$out/environment.txt"
 
 run_overhead() {
-    step call-latency 60 $py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/latency.py \
-        --device cuda --backends smddp,nccl --profile "$out/smddp-call-profile.txt"
-    step overhead 120 $py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/collectives.py \
-        --device cuda --backends smddp,nccl --ops all_reduce,all_gather -b 8 -e 256M -n 100 \
+    # issue 40's criterion: p50 over 4000 calls of 256 B, blocking and async_op=True + wait()
+    step call-latency 90 $py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/latency.py \
+        --device cuda --backends smddp,nccl --op all_reduce,all_gather --modes sync,async --calls 4000 \
+        --profile "$out/smddp-call-profile.txt"
+    # and from 64 MiB up, within 3% of nccl
+    step overhead 90 $py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/collectives.py \
+        --device cuda --backends smddp,nccl --ops all_reduce,all_gather -b 64M -e 256M -n 100 \
         --json "$out/overhead.json"
 }
 run_tests() {
@@ -94,15 +97,13 @@ run_tests() {
 run_optimizer() {
     # torch.compile of the eager step took 23 s to compile at 125M and 61 s at 350M on an H200,
     # and had not finished in 130 s at 1B: 1B runs without it, which a 15-minute lease can afford
-    step optimizer-step-125M 90 $py benchmarks/optimizer_step.py --device cuda --params 125M \
-        --json "$out/optimizer-step-125M.json"
-    step optimizer-step-350M 130 $py benchmarks/optimizer_step.py --device cuda --params 350M \
+    # the fair baselines (folded fused AdamW, fullgraph compile) beside eager, compile and smddp
+    step optimizer-step-125M 150 $py benchmarks/optimizer_step.py --device cuda --params 125M --rounds 10 \
+        --compile-modes default,max-autotune-no-cudagraphs --json "$out/optimizer-step-125M.json"
+    step optimizer-step-350M 150 $py benchmarks/optimizer_step.py --device cuda --params 350M --rounds 10 \
         --json "$out/optimizer-step-350M.json"
-    step optimizer-step-1B 90 $py benchmarks/optimizer_step.py --device cuda --params 1B --no-torch-compile \
-        --json "$out/optimizer-step-1B.json"
-    # where the step's time goes: the update kernel's launch shapes and the norm pass
-    step adam-kernel-sweep 90 $py benchmarks/adam_kernel_sweep.py --device cuda --params 350M \
-        --json "$out/adam-kernel-sweep.json"
+    step optimizer-step-1B 60 $py benchmarks/optimizer_step.py --device cuda --params 1B --rounds 10 \
+        --no-torch-compile --json "$out/optimizer-step-1B.json"
 }
 for part in $parts; do "run_$part"; done
 echo "== $failed step(s) failed; the logs are in $out"

@@ -9,10 +9,14 @@ round); ``--profile`` adds where that time goes in the first backend (cProfile, 
     torchrun --standalone --nproc-per-node 1 benchmarks/latency.py --device cuda --backends smddp,nccl \
         --profile smddp-calls.txt
     torchrun --standalone --nproc-per-node 2 benchmarks/latency.py --op pingpong --profile p2p.txt
+    torchrun --standalone --nproc-per-node 1 benchmarks/latency.py --device cuda --backends smddp,nccl \
+        --op all_reduce,all_gather --modes sync,async --calls 4000
 
 A backend may carry settings for its group: ``--backends smddp:SMDDP_TRANSPORT=gloo:SMDDP_CHECK_COLLECTIVES=0,gloo``.
 ``--op pingpong`` times round trips between ranks 0 and 1 (rank 0 sends, rank 1 sends back;
 other ranks wait at the end); ``--op barrier`` times barriers (``--bytes`` is then unused).
+``--modes sync,async`` times each op both ways: a blocking call, and ``async_op=True`` then
+``wait()`` (which on CUDA returns once the caller's stream waits for the collective).
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ import torch
 import torch.distributed as dist
 
 import smddp_lite
+
+
+OPS = ("all_reduce", "all_gather", "barrier", "pingpong")
 
 
 def profile_table(profile: cProfile.Profile, calls: int, what: str, rows: int = 45) -> str:
@@ -73,9 +80,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="alternations between backends")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--profile", metavar="PATH", help="write a cProfile of the first backend's calls here")
-    parser.add_argument("--op", choices=("all_reduce", "barrier", "pingpong"), default="all_reduce",
-                        help="what one timed call is: an all_reduce, a barrier, or a send/recv round trip between "
-                             "ranks 0 and 1")
+    parser.add_argument("--op", default="all_reduce",
+                        help="what one timed call is, comma-separated for several: all_reduce, all_gather "
+                             "(all_gather_into_tensor), barrier, or pingpong (a send/recv round trip between "
+                             "ranks 0 and 1)")
+    parser.add_argument("--modes", default="sync",
+                        help="sync (async_op=False), async (async_op=True, then wait()), or both: sync,async")
     args = parser.parse_args()
 
     backends = args.backends.split(",")
@@ -96,56 +106,79 @@ def main() -> None:
             else:
                 groups[entry] = dist.new_group(backend=backend)
     tensor = torch.ones(max(1, args.bytes // 4), device=device)
-    if args.op == "pingpong" and dist.get_world_size() < 2:
+    gathered = torch.empty(tensor.numel() * dist.get_world_size(), device=device)
+    ops_ = args.op.split(",")
+    modes = args.modes.split(",")
+    for name in ops_:
+        if name not in OPS:
+            raise SystemExit(f"--op: {name!r} is not one of {', '.join(OPS)}")
+    for mode in modes:
+        if mode not in ("sync", "async"):
+            raise SystemExit(f"--modes: {mode!r} is not sync or async")
+    if "pingpong" in ops_ and dist.get_world_size() < 2:
         raise SystemExit("--op pingpong needs at least 2 ranks")
     rank = dist.get_rank()
 
-    def call(group) -> None:
-        if args.op == "all_reduce":
-            dist.all_reduce(tensor, group=group)
-        elif args.op == "barrier":
-            dist.barrier(group=group)
+    def call(op: str, mode: str, group) -> None:
+        async_op = mode == "async"
+        if op == "all_reduce":
+            work = dist.all_reduce(tensor, group=group, async_op=async_op)
+        elif op == "all_gather":
+            work = dist.all_gather_into_tensor(gathered, tensor, group=group, async_op=async_op)
+        elif op == "barrier":
+            work = dist.barrier(group=group, async_op=async_op)
         elif rank == 0:
             dist.send(tensor, 1, group=group)
             dist.recv(tensor, 1, group=group)
+            work = None
         elif rank == 1:
             dist.recv(tensor, 0, group=group)
             dist.send(tensor, 0, group=group)
+            work = None
+        if async_op and work is not None:
+            work.wait()
 
-    samples: dict[str, list[float]] = {b: [] for b in backends}
-    for _ in range(args.rounds):
-        for backend, group in groups.items():
-            for _ in range(50):  # warm-up after switching
-                call(group)
-            settle()
-            for _ in range(args.calls // args.rounds):
-                start = time.perf_counter()
-                call(group)
-                samples[backend].append(time.perf_counter() - start)
-            settle()
+    cases = [(op, mode) for op in ops_ for mode in (modes if op != "pingpong" else ["sync"])]
+    samples: dict[tuple[str, str, str], list[float]] = {(op, mode, b): [] for op, mode in cases for b in backends}
+    for op, mode in cases:
+        for _ in range(args.rounds):
+            for backend, group in groups.items():
+                for _ in range(50):  # warm-up after switching
+                    call(op, mode, group)
+                settle()
+                times = samples[(op, mode, backend)]
+                for _ in range(args.calls // args.rounds):
+                    start = time.perf_counter()
+                    call(op, mode, group)
+                    times.append(time.perf_counter() - start)
+                settle()
     if args.profile:
+        op, mode = cases[0]
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(args.calls // args.rounds):
-            call(dist.group.WORLD)  # the first backend's group
+            call(op, mode, dist.group.WORLD)  # the first backend's group
         settle()
         profile.disable()
         if dist.get_rank() == 0:
             with open(args.profile, "w") as f:
-                f.write(profile_table(profile, args.calls // args.rounds, f"{args.op} calls of {backends[0]} "
+                f.write(profile_table(profile, args.calls // args.rounds, f"{mode} {op} calls of {backends[0]} "
                                       f"on {device}, rank 0"))
     dist.barrier()  # ranks other than 0 and 1 had nothing to time in a ping-pong
     if dist.get_rank() == 0:
-        what = {"all_reduce": f"all_reduce of {tensor.numel() * 4} B float32", "barrier": "barrier",
-                "pingpong": f"send/recv round trip (ranks 0 and 1) of {tensor.numel() * 4} B float32"}[args.op]
-        print(f"# {what} on {dist.get_world_size()} ranks ({device.type}), "
-              f"{args.calls} calls per backend in {args.rounds} alternating rounds (rank 0's view)")
-        width = max(8, *map(len, samples))
-        print(f"# {'backend':<{width}} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8} {'max us':>8} {'mean us':>8}")
-        for backend, values in samples.items():
+        size = f"{tensor.numel() * 4} B float32"
+        print(f"# {dist.get_world_size()} ranks ({device.type}), {args.calls} calls per backend and case in "
+              f"{args.rounds} alternating rounds (rank 0's view); all_gather is all_gather_into_tensor of {size} "
+              f"per rank, all_reduce of {size}, pingpong a send/recv round trip between ranks 0 and 1; async: "
+              "async_op=True, then wait()")
+        width = max(8, *map(len, backends))
+        print(f"# {'op':<10} {'mode':<5} {'backend':<{width}} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8} "
+              f"{'max us':>8} {'mean us':>8}")
+        for (op, mode, backend), values in samples.items():
             us = torch.tensor(values, dtype=torch.float64) * 1e6
             q = [float(us.quantile(p)) for p in (0.5, 0.9, 0.99)]
-            print(f"  {backend:<{width}} {q[0]:8.1f} {q[1]:8.1f} {q[2]:8.1f} {float(us.max()):8.1f} {float(us.mean()):8.1f}")
+            print(f"  {op:<10} {mode:<5} {backend:<{width}} {q[0]:8.1f} {q[1]:8.1f} {q[2]:8.1f} "
+                  f"{float(us.max()):8.1f} {float(us.mean()):8.1f}")
     dist.destroy_process_group()
 
 

@@ -1,9 +1,22 @@
 """Time of the optimizer step, from reduced gradients to updated parameters, side by side.
 
 Compares, for AdamW with float32 parameters and state, loss scaling and clipping to norm 1.0:
-  eager     GradScaler.unscale_ + clip_grad_norm_(foreach=True) + AdamW(fused=True)
-  compile   torch.compile of that same step (compile time reported apart)
-  smddp     smddp_lite.compile's step: per-bucket norms + one fused update per bucket
+  eager       GradScaler.unscale_ + clip_grad_norm_(foreach=True) + AdamW(fused=True): 48 bytes per
+              parameter (unscale reads and writes the gradient, the norm reads it, the clip
+              multiply reads and writes it, then the update's 28)
+  folded      the fairest eager step: one foreach norm of the scaled gradients, then fused AdamW
+              given the loss scale divided by the clip coefficient as its ``grad_scale`` and the
+              inf check as its ``found_inf`` (as GradScaler hands them over): 32 bytes per
+              parameter, on torch's per-parameter tensors
+  folded-flat the same on flat tensors of 6.5M elements (25 MiB, DDP's bucket size), as our
+              buckets lay gradients out
+  compile     torch.compile of the eager step (compile time reported apart): the closure around
+              opt.step() breaks the graph and leaves the fused kernel opaque to Inductor
+  fullgraph   torch.compile(fullgraph=True) of one function holding the norm, clip and AdamW in
+              foreach ops, with lr and step as device tensors (no graph break, every op visible
+              to Inductor; it does not skip inf steps, so it does a little less than the others);
+              ``--compile-modes default,max-autotune-no-cudagraphs`` times both modes
+  smddp       smddp_lite.compile's step: per-bucket norms + one fused update per bucket
 Each round times every variant once, alternating, so noise hits all alike. Reports median
 [p20, p80], effective GB/s counted by the 28 bytes per parameter an AdamW step must move (read
 grad, param, exp_avg, exp_avg_sq; write the last three), and that as a percentage of this
@@ -13,6 +26,7 @@ leave it; the floor stays 28.
 
     python benchmarks/optimizer_step.py --params 1M,8M,32M                # CPU
     python benchmarks/optimizer_step.py --device cuda --params 125M,350M,1B
+    python benchmarks/optimizer_step.py --device cuda --params 125M --compile-modes default,max-autotune-no-cudagraphs
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import torch
 import smddp_lite
 
 BYTES_PER_PARAM = 28  # AdamW, float32 state: 4 streams read, 3 written, 4 bytes each
+FLAT_ELEMENTS = 25 * 2**20 // 4  # folded-flat's tensors: DDP's 25 MiB bucket of float32
 
 
 def parse_count(text: str) -> int:
@@ -92,6 +107,66 @@ def build_eager(params, device, compiled: bool):
     return v
 
 
+def build_folded(params, device, flat: bool):
+    """Unscale and clipping folded into fused AdamW's grad_scale and found_inf."""
+    if flat:  # the same parameters as a few flat tensors (values as generated, shapes dropped)
+        flat_all = torch.cat([p.detach().reshape(-1) for p in params])
+        params = [torch.nn.Parameter(c.clone()) for c in flat_all.split(FLAT_ELEMENTS)]
+    v = Variant("folded-flat" if flat else "folded", params, device)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+    for p, g in zip(params, v.grads):
+        p.grad = g.clone()
+    found_inf = torch.zeros((), device=device)  # shaped as the fused step's step counters, which it adjusts
+
+    def step():
+        norms = torch._foreach_norm([p.grad for p in params])
+        total = torch.linalg.vector_norm(torch.stack(norms)) / v.scale  # of the unscaled gradients
+        clip = torch.clamp(1.0 / (total + 1e-6), max=1.0)
+        found_inf.copy_(torch.isfinite(total).logical_not())
+        opt.grad_scale, opt.found_inf = v.scale / clip, found_inf
+        opt.step()
+
+    v.step = step
+    return v
+
+
+def clipped_adamw(params, grads, exp_avg, exp_avg_sq, step_t, lr, scale, max_norm=1.0, beta1=0.9, beta2=0.999,
+                  eps=1e-8, weight_decay=0.01):
+    """Unscale, clip to ``max_norm`` and AdamW in foreach ops: the fullgraph baseline's step
+    (tests/test_compile.py checks it against torch.optim.AdamW with clip_grad_norm_)."""
+    norms = torch._foreach_norm(grads)
+    total = torch.linalg.vector_norm(torch.stack(norms)) / scale
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0) / scale
+    step_t += 1
+    g = torch._foreach_mul(grads, coef)
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avg, g, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sq, beta2)
+    torch._foreach_addcmul_(exp_avg_sq, g, g, 1 - beta2)
+    bias1 = 1 - beta1 ** step_t
+    bias2_sqrt = (1 - beta2 ** step_t).sqrt()
+    denom = torch._foreach_div(torch._foreach_sqrt(exp_avg_sq), bias2_sqrt)
+    torch._foreach_add_(denom, eps)
+    update = torch._foreach_div(exp_avg, denom)
+    torch._foreach_mul_(update, lr / bias1)
+    torch._foreach_sub_(params, update)
+
+
+def build_fullgraph(params, device, mode: str):
+    """One compiled function: norm, clip and AdamW in foreach ops, lr and step on the device."""
+    v = Variant(f"fullgraph-{mode}" if mode != "default" else "fullgraph", params, device)
+    grads = v.grads
+    exp_avg = [torch.zeros_like(p) for p in params]
+    exp_avg_sq = [torch.zeros_like(p) for p in params]
+    step_t = torch.zeros((), device=device)
+    lr = torch.tensor(1e-4, device=device)
+    plain = [p.detach() for p in params]
+
+    compiled = torch.compile(clipped_adamw, fullgraph=True, mode=None if mode == "default" else mode)
+    v.step = lambda: compiled(plain, grads, exp_avg, exp_avg_sq, step_t, lr, v.scale)
+    return v
+
+
 def build_smddp(params, device):
     v = Variant("smddp", params, device)
     model = torch.nn.ParameterList(params)
@@ -116,7 +191,9 @@ def main() -> None:
     parser.add_argument("--params", default="1M,8M,32M", help="parameter counts (K/M/B suffixes)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--no-torch-compile", action="store_true", help="skip the torch.compile variant")
+    parser.add_argument("--no-torch-compile", action="store_true", help="skip the torch.compile variants")
+    parser.add_argument("--compile-modes", default="default",
+                        help="modes of the fullgraph variant, comma-separated (default, max-autotune-no-cudagraphs)")
     parser.add_argument("--json", help="write every measurement here")
     args = parser.parse_args()
     dev = args.device
@@ -124,15 +201,23 @@ def main() -> None:
     name = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or platform.machine()
     print(f"# optimizer step, AdamW float32, clip 1.0, loss scale 1024; device {dev} ({name}); torch {torch.__version__}")
     print(f"# copy bandwidth {bandwidth / 1e9:.2f} GB/s; {args.rounds} alternating rounds; times in ms, median [p20, p80]")
-    print(f"# {'params':>10} {'variant':<8} {'median':>9} {'p20':>9} {'p80':>9} {'GB/s':>7} {'% copy':>7} {'vs eager':>8}")
+    print(f"# {'params':>10} {'variant':<11} {'median':>9} {'p20':>9} {'p80':>9} {'GB/s':>7} {'% copy':>7} {'vs eager':>8}")
     rows = []
     for count in map(parse_count, args.params.split(",")):
-        variants = [build_eager(make_params(count, dev), dev, False)]
-        compile_s = None
+        variants = [build_eager(make_params(count, dev), dev, False),
+                    build_folded(make_params(count, dev), dev, flat=False),
+                    build_folded(make_params(count, dev), dev, flat=True)]
+        compile_s = {}
         if not args.no_torch_compile:
-            v = build_eager(make_params(count, dev), dev, True)
-            compile_s = timed(v.step, dev)  # the first call compiles
-            variants.append(v)
+            candidates = [build_eager(make_params(count, dev), dev, True)]
+            candidates += [build_fullgraph(make_params(count, dev), dev, mode) for mode in args.compile_modes.split(",")]
+            for v in candidates:
+                torch._dynamo.utils.counters.clear()
+                compile_s[v.name] = timed(v.step, dev)  # the first call compiles
+                breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+                print(f"# {v.name}: compiled in {compile_s[v.name]:.1f} s at {count} parameters, {breaks} graph "
+                      f"break(s), {torch._dynamo.utils.counters['stats'].get('unique_graphs', 0)} graph(s)")
+                variants.append(v)
         variants.append(build_smddp(make_params(count, dev), dev))
         for v in variants:
             v.step()  # warm-up (allocations, lazy state)
@@ -141,19 +226,22 @@ def main() -> None:
             for v in variants:
                 samples[v.name].append(timed(v.step, dev))
         eager_median = torch.tensor(samples["eager"]).median().item()
+        medians = {name: torch.tensor(t).median().item() for name, t in samples.items()}
+        best_baseline = min((m, name) for name, m in medians.items() if name != "smddp")
         for v in variants:
             t = torch.tensor(samples[v.name], dtype=torch.float64)
             med, p20, p80 = (float(t.quantile(q)) for q in (0.5, 0.2, 0.8))
             gbs = count * BYTES_PER_PARAM / med / 1e9
             row = dict(params=count, variant=v.name, median_ms=med * 1e3, p20_ms=p20 * 1e3, p80_ms=p80 * 1e3,
                        gbps=gbs, pct_copy=100 * gbs * 1e9 / bandwidth, speedup_vs_eager=eager_median / med)
-            if v.name == "compile":
-                row["compile_s"] = compile_s
+            if v.name in compile_s:
+                row["compile_s"] = compile_s[v.name]
             rows.append(row)
-            print(f"  {count:>10} {v.name:<8} {row['median_ms']:9.2f} {row['p20_ms']:9.2f} {row['p80_ms']:9.2f} "
+            print(f"  {count:>10} {v.name:<11} {row['median_ms']:9.2f} {row['p20_ms']:9.2f} {row['p80_ms']:9.2f} "
                   f"{gbs:7.2f} {row['pct_copy']:6.1f}% {row['speedup_vs_eager']:7.2f}x")
-        if compile_s is not None:
-            print(f"# torch.compile of the eager step took {compile_s:.1f} s to compile at {count} parameters")
+        print(f"# {count} parameters: smddp {best_baseline[0] / medians['smddp']:.2f}x the best baseline "
+              f"({best_baseline[1]}); smddp at {100 * count * BYTES_PER_PARAM / medians['smddp'] / bandwidth:.1f}% "
+              "of copy bandwidth counted by 28 bytes per parameter")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev, "device_name": name, "torch": torch.__version__,

@@ -264,3 +264,79 @@ def graph_capture() -> dict:
     result = {"errors": errors, "replays": replays, "after": after.tolist(), "after_want": [2.0 * world] * 4}
     dist.destroy_process_group()
     return result
+
+
+def fast_calls() -> dict:
+    """The fast path (backend/cuda/fast_path.py) at world size 1 over NCCL: which calls take it,
+    what they compute, when the host returns, and that the watchdog gives its events back."""
+    from torch._C._distributed_c10d import AllgatherOptions
+
+    device = _device()
+    smddp_lite.init()
+    group = dist.distributed_c10d._get_default_group()
+    out: dict = {"kinds": {}, "wrong": []}
+    dist.all_reduce(torch.ones(4, device=device))  # the general route makes the communicator and stream
+
+    def kind(work) -> str:
+        return type(work).__name__
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool):
+        x = (torch.arange(1000, device=device) % 7).to(dtype)
+        want = x.clone()
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG):
+            if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
+                continue
+            opts = dist.AllreduceOptions()
+            opts.reduceOp, opts.asyncOp = op, False
+            y = x.clone()
+            work = group.allreduce([y], opts)
+            work.wait()
+            out["kinds"][f"all_reduce {dtype} {op}"] = kind(work)
+            if not torch.equal(y, want):
+                out["wrong"].append(f"all_reduce {dtype} {op}")
+        b = x.clone()
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.asyncOp = 0, 0, True
+        work = group.broadcast([b], opts)
+        work.wait()
+        out["kinds"][f"broadcast {dtype} async"] = kind(work)
+        gathered = torch.empty_like(x)
+        opts = AllgatherOptions()
+        opts.asyncOp = False
+        work = group._allgather_base(gathered, x, opts)
+        work.wait()
+        out["kinds"][f"all_gather {dtype}"] = kind(work)
+        if not (torch.equal(b, want) and torch.equal(gathered, want)):
+            out["wrong"].append(f"broadcast/all_gather {dtype}")
+    # what the fast path leaves to the general route
+    strided = torch.ones(8, 2, device=device)[:, 0]
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    work = group.allreduce([strided], opts)
+    work.wait()
+    out["kinds"]["all_reduce strided"] = kind(work)
+    out["strided_right"] = bool((strided == 1).all())
+    work = group.allreduce([torch.ones(3, device=device), torch.ones(3, device=device)], opts)
+    work.wait()
+    out["kinds"]["all_reduce two tensors"] = kind(work)
+    # a synchronous call goes on the caller's stream; an asynchronous one on the group's, and
+    # the host returns from both without waiting for the 0.1 s kernel before them
+    x = torch.zeros(1 << 20, device=device)
+    for mode in ("sync", "async"):
+        torch.cuda._sleep(200_000_000)
+        x.fill_(3.0)
+        start = time.monotonic()
+        work = dist.all_reduce(x, async_op=mode == "async")
+        out[f"{mode}_returned_s"] = time.monotonic() - start
+        if work is not None:
+            out["async_completed_at_once"] = work.is_completed()
+            work.wait()
+        out[f"{mode}_value"] = float((x * 2)[-1])  # on the caller's stream, after the call
+    torch.cuda.synchronize()
+    time.sleep(0.35)  # the watchdog polls every 0.1 s
+    nccl = group._cuda.nccl
+    out["in_flight_after"] = nccl.watchdog.in_flight()
+    out["pooled_events"] = len(nccl.fast._lanes[device.index].events._free)
+    out["calls_numbered"] = group._calls
+    dist.destroy_process_group()
+    return out

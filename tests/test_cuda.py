@@ -148,9 +148,13 @@ class _InFlight:
         self.device = -1  # torch.cuda.device(-1) changes nothing, on a machine without CUDA too
         self.started = time.monotonic() - age_s
         self._ended = ended
+        self.released = False
 
     def ended(self) -> bool:
         return self._ended
+
+    def release(self) -> None:
+        self.released = True
 
     def fail(self, error: BaseException) -> None:
         self.error = error
@@ -175,6 +179,7 @@ def test_watchdog_releases_ended_work_and_leaves_young_work_alone():
     dog.track(young)
     dog.poll()
     assert dog.in_flight() == 1 and events == [] and young.error is None
+    assert done.released and not young.released
 
 
 class _Counted(_InFlight):
@@ -334,6 +339,21 @@ def test_dtypes_without_an_nccl_type_are_moved_as_bytes_over_nccl():
 def test_mixed_devices_are_refused_clearly(transport):
     (r,) = harness.values(harness.launch("tests.cuda_programs:bad_input", 1, env={"SMDDP_CUDA_TRANSPORT": transport}))
     assert "several devices (cpu, cuda:0)" in r["errors"]["mixed"] and r["still_works"], r
+
+
+@on_gpu
+@needs_cupy
+def test_common_calls_take_the_fast_path_and_compute_what_the_general_route_does():
+    (r,) = harness.values(harness.launch("tests.cuda_programs:fast_calls", 1, env={"SMDDP_CUDA_TRANSPORT": "nccl"}))
+    assert not r["wrong"], r
+    general = {"all_reduce strided", "all_reduce two tensors"}
+    for call, kind in r["kinds"].items():
+        assert kind == ("CudaWork" if call in general else "FastWork"), (call, r)
+    assert r["strided_right"], r
+    for mode in ("sync", "async"):  # behind a 0.1 s kernel: the host did not wait for it
+        assert r[f"{mode}_returned_s"] < 0.05 and r[f"{mode}_value"] == 6.0, r
+    assert not r["async_completed_at_once"], r
+    assert r["in_flight_after"] == 0 and r["pooled_events"] > 0, r
 
 
 @on_gpu

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 
@@ -30,6 +30,7 @@ from ..transports.base import block_offsets, overlap
 from .communicators import (NCCL_AVG_VERSION, NCCL_BF16_VERSION, NCCL_DTYPE_NAMES, NCCL_OP_NAMES, Communicators,
                             nccl_version_string)
 from .environment import efa_devices, find_net_plugin, network_report
+from .fast_path import FastCalls
 from .watchdog import Watchdog
 from .work import CommStream, CudaWork, capturing
 
@@ -63,6 +64,8 @@ class NcclPath:
         self._dtype = {dt: getattr(nccl, name) for dt, name in NCCL_DTYPE_NAMES.items() if hasattr(nccl, name)
                        and (dt is not torch.bfloat16 or self.comms.version >= NCCL_BF16_VERSION)}  # else: staged
         self._op = {op: getattr(nccl, name) for op, name in NCCL_OP_NAMES.items() if hasattr(nccl, name)}
+        # blocking waits block the host in wait(), which the fast path's Work never does
+        self.fast = None if blocking else FastCalls(self, _cuda_runtime())
 
     # the one path every call takes -------------------------------------------------------------
     def _launch(self, op: str, device: torch.device, touched: list[torch.Tensor], outputs: list[torch.Tensor],
@@ -87,15 +90,21 @@ class NcclPath:
             try:
                 stream.run(touched, lambda: enqueue(comm, stream.cuda_stream))
             except Exception as exc:  # NcclError: NCCL's own text, e.g. "NCCL_ERROR_INVALID_ARGUMENT: ..."
-                reason = f"{describe} NCCL failed: {exc}"
-                self.watchdog.fail_all(reason)  # aborts, and fails what was enqueued before this call
-                raise SMDDPError(reason) from exc
+                self.launch_failed(describe, exc)
             work.keep = touched
             work.enqueued(stream.stream)
             if not in_capture:  # a captured call runs at each replay; the watchdog's event queries
                 self.watchdog.track(work)  # during a capture would invalidate the graph
         self.last_device = device
+        if self.fast is not None and not in_capture:
+            self.fast.add_lane(device, comm, stream)
         return work
+
+    def launch_failed(self, describe: str, exc: Exception) -> NoReturn:
+        """NCCL refused to enqueue a call: abort, fail what was enqueued before it, and raise."""
+        reason = f"{describe} NCCL failed: {exc}"
+        self.watchdog.fail_all(reason)
+        raise SMDDPError(reason) from exc
 
     def check(self, op: str, dtypes: list[torch.dtype], red: RedOp | None = None) -> None:
         """Raise NeedsStaging if NCCL cannot run ``op`` on ``dtypes`` with ``red``: for calls that
@@ -291,6 +300,14 @@ class NcclPath:
                 log.info("smddp: %s", line)
         for line in warnings:
             log.warning("smddp: rank %d: %s", self.rank, line)
+
+
+def _cuda_runtime():
+    """cupy's CUDA runtime module (cupy is loaded whenever NCCL is): the fast path records and
+    waits on events through it, on raw handles."""
+    from cupy.cuda import runtime
+
+    return runtime
 
 
 class _Flat:

@@ -121,7 +121,7 @@ class Watchdog:
         now = time.monotonic()
         for work, done in zip(pending, ended):
             if done:
-                work.keep = []  # done: drop the references that kept its tensors alive
+                work.release()  # done: its tensors may go (and a fast call's event serves again)
                 continue
             if reason is None and now - work.started > work.timeout_s:
                 reason = (f"{work.describe} did not complete within {work.timeout_s:g} s (the process group "

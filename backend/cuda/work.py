@@ -88,6 +88,10 @@ class CudaWork(KeptWhileCppMayAsk, dist._Work):
             raise as_backend_error(self.error)
         return completion.value()
 
+    def release(self) -> None:
+        """Ended on the device (the watchdog saw it): the tensors it touched may go."""
+        self.keep = []
+
     def ended(self) -> bool:
         """True once the device has passed the collective's end (never blocks); a captured
         collective once it is in the graph (its event cannot be queried during the capture)."""
