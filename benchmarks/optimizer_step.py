@@ -192,6 +192,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--no-torch-compile", action="store_true", help="skip the torch.compile variants")
+    parser.add_argument("--no-eager-compile", action="store_true",
+                        help="skip the compile variant (the eager step compiled as it is), keep fullgraph")
     parser.add_argument("--compile-modes", default="default",
                         help="modes of the fullgraph variant, comma-separated (default, max-autotune-no-cudagraphs)")
     parser.add_argument("--json", help="write every measurement here")
@@ -209,7 +211,7 @@ def main() -> None:
                     build_folded(make_params(count, dev), dev, flat=True)]
         compile_s = {}
         if not args.no_torch_compile:
-            candidates = [build_eager(make_params(count, dev), dev, True)]
+            candidates = [build_eager(make_params(count, dev), dev, True)] if not args.no_eager_compile else []
             candidates += [build_fullgraph(make_params(count, dev), dev, mode) for mode in args.compile_modes.split(",")]
             for v in candidates:
                 torch._dynamo.utils.counters.clear()
