@@ -6,32 +6,33 @@
 #              references on the GPU (tests/test_kernels.py)
 #   optimizer: the optimizer-step benchmark against the fair baselines (issue 40's criterion), one
 #              parameter count at a time (adam_kernel_sweep.py, run by hand, splits the step)
+#   train:     one training step end to end, DDP on nccl and on smddp and smddp_lite.compile
 # Each step has its own time limit, so one that hangs or runs long costs only its own share, and
 # everything it printed is kept. Usage, from the repository root on the GPU machine:
 #
-#   bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer]
+#   bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer] [train]
 #
-# The parts run in the order named; with none named, all three, in that order. Their time limits
-# add up to 3, 4 (6.5 with reruns of failed tests) and 6 minutes; where one command may run for
-# 10 minutes, run `overhead tests` and then `optimizer`. On an H200 (2026-11-26) the tests took
-# 210 s, all_reduce's overhead rows under 30 s, and the optimizer benchmarks 64 s at 125M, 83 s
-# at 350M and 28 s at 1B without torch.compile. The tests run side by side where pytest-xdist
+# The parts run in the order named; with none named, all four, in that order. Their time limits
+# add up to 3, 4 (6.5 with reruns of failed tests), 5 and 2.5 minutes; where one command may run
+# for 10 minutes, run `overhead tests` and then `optimizer train`. On an H100 (2026-11-27) the
+# overhead part took 42 s and the tests 63 s; the optimizer benchmark at 1B without torch.compile
+# 50 s. The tests run side by side where pytest-xdist
 # is installed. The exit status is the number of steps that failed.
 # --install first runs `pip install --no-deps --no-build-isolation -e .` (for an image that has
 # torch, cupy and triton but not this package). Record what it measured in benchmarks/results/.
 set -u
-usage="usage: bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer]"
+usage="usage: bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer] [train]"
 out=${1:?$usage}
 shift
 install=0 parts=""
 for arg in "$@"; do
     case $arg in
         --install) install=1 ;;
-        tests|overhead|optimizer) parts="$parts $arg" ;;
+        tests|overhead|optimizer|train) parts="$parts $arg" ;;
         *) echo "unknown argument '$arg'; $usage" >&2; exit 2 ;;
     esac
 done
-parts=${parts:-" overhead tests optimizer"}
+parts=${parts:-" overhead tests optimizer train"}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -95,15 +96,20 @@ run_tests() {
     fi
 }
 run_optimizer() {
-    # torch.compile of the eager step took 23 s to compile at 125M and 61 s at 350M on an H200,
-    # and had not finished in 130 s at 1B: 1B runs without it, which a 15-minute lease can afford
-    # the fair baselines (folded fused AdamW, fullgraph compile) beside eager, compile and smddp
+    # the fair baselines (folded fused AdamW, fullgraph compile) beside eager and smddp; the
+    # compiles set what fits a 15-minute lease (on an H100 the fullgraph one took 46 s at 125M and over 140 s at 350M, the eager
+    # closure 26 s and 87 s, and max-autotune-no-cudagraphs did not finish at 125M in 150 s)
     step optimizer-step-125M 150 $py benchmarks/optimizer_step.py --device cuda --params 125M --rounds 10 \
-        --compile-modes default,max-autotune-no-cudagraphs --json "$out/optimizer-step-125M.json"
-    step optimizer-step-350M 150 $py benchmarks/optimizer_step.py --device cuda --params 350M --rounds 10 \
-        --json "$out/optimizer-step-350M.json"
+        --no-eager-compile --json "$out/optimizer-step-125M.json"
+    step optimizer-step-350M 90 $py benchmarks/optimizer_step.py --device cuda --params 350M --rounds 10 \
+        --no-torch-compile --json "$out/optimizer-step-350M.json"
     step optimizer-step-1B 60 $py benchmarks/optimizer_step.py --device cuda --params 1B --rounds 10 \
         --no-torch-compile --json "$out/optimizer-step-1B.json"
+}
+run_train() {
+    # end to end: DDP on nccl, DDP on smddp, smddp_lite.compile; GPT-2 small, one GPU
+    step train-step 150 $py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/train_step.py \
+        --device cuda --json "$out/train-step.json"
 }
 for part in $parts; do "run_$part"; done
 echo "== $failed step(s) failed; the logs are in $out"

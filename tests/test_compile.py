@@ -660,3 +660,24 @@ def test_optimizer_benchmark_runs_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["variant"] for r in rows} == {"eager", "folded", "folded-flat", "smddp"}
     assert all(r["median_ms"] > 0 for r in rows)
+
+
+def test_train_step_benchmark_runs_on_cpu_and_its_three_ways_agree(tmp_path):
+    """The CPU smoke run of benchmarks/train_step.py: DDP on gloo, DDP on smddp and the compiled
+    step train the same tiny model on the same batches, so their losses must agree (bfloat16
+    autocast: to its precision)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "train.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "benchmarks/train_step.py", "--size", "tiny", "--steps", "3", "--rounds", "1", "--json", str(out)],
+                   cwd=root, check=True, timeout=180, capture_output=True)
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"ddp-gloo", "ddp-smddp", "compiled"}
+    losses = [r["final_loss"] for r in rows.values()]
+    assert max(losses) - min(losses) < 0.02 * max(losses), rows
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
