@@ -387,7 +387,7 @@ def rank_0_killed_while_others_map() -> dict | None:
     rank = dist.get_rank()
     store = dist.PrefixStore("segment-test", dist.distributed_c10d._get_default_store())
     if rank == 0:
-        mine = f"/dev/shm/smddp-{os.getpid()}-*"
+        mine = f"/dev/shm/smddp-*-{os.getpid()}-*"
 
         def kill_once_published() -> None:
             while not glob.glob(mine):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import subprocess
 import threading
 import time
 from datetime import timedelta
@@ -72,7 +73,8 @@ def test_a_path_outside_dev_shm_is_refused_and_the_file_is_untouched(tmp_path):
     victim = _victim(tmp_path, _segment_size())
     before = _digest(victim)
     error = _rank1_opens(str(victim))
-    assert str(victim) in str(error) and "expected /dev/shm/smddp-<pid>-<12 hex digits>" in str(error)
+    assert str(victim) in str(error)
+    assert f"expected /dev/shm/{shm_segment.SEGMENT_NAME_SHOWN}" in str(error)
     assert "[smddp rank 1/2" in str(error)
     assert _digest(victim) == before
 
@@ -203,3 +205,53 @@ def _listening_addresses(port: int) -> set[str]:
         if state == "0A" and int(port_hex, 16) == port:
             found.add("[" + address + "]")
     return found
+
+
+def _dead_pid() -> int:
+    """A pid no process has now: a child that ran and was reaped."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_segments_whose_maker_died_are_removed_by_a_later_job_and_nothing_else(tmp_path, shm_dir):
+    """A job killed before every rank mapped its segment leaves it; the next job's rank 0 removes
+    it, and leaves alone every name it cannot prove dead or its own: a live maker, another pid
+    namespace, a link (the file it points at stays too), another pattern."""
+    namespace = shm_segment._pid_namespace()
+    assert namespace != 0, "this machine's /proc shows no pid namespace"
+    shm = Path(shm_segment.SHM_DIR)
+    dead, alive_here = _dead_pid(), os.getpid()
+    names = {"stale": f"smddp-{namespace}-{dead}-0123456789ab",
+             "maker alive": f"smddp-{namespace}-{alive_here}-0123456789ab",
+             "other namespace": f"smddp-{namespace + 1}-{dead}-0123456789ab",
+             "link": f"smddp-{namespace}-{dead}-abcdef012345",
+             "other pattern": f"smddp-{dead}-0123456789ab"}
+    victim = _victim(tmp_path, 4096)
+    before = _digest(victim)
+    for what, name in names.items():
+        path = shm / name
+        shm_dir.append(path)
+        if what == "link":
+            path.symlink_to(victim)
+        else:
+            path.write_bytes(b"\0" * 4096)
+            path.chmod(0o600)
+    assert shm_segment.remove_stale_segments() == [names["stale"]]
+    assert not (shm / names["stale"]).exists()
+    for what in ("maker alive", "other namespace", "link", "other pattern"):
+        assert os.path.lexists(shm / names[what]), what
+    assert _digest(victim) == before
+
+
+def test_a_new_job_sweeps_before_it_makes_its_segment(shm_dir):
+    """Rank 0 sweeps when it makes a segment: a real ShmSegment of one rank removes a stale name."""
+    stale = Path(shm_segment.SHM_DIR) / f"smddp-{shm_segment._pid_namespace()}-{_dead_pid()}-0123456789ab"
+    shm_dir.append(stale)
+    stale.write_bytes(b"\0" * 4096)
+    stale.chmod(0o600)
+    segment = ShmSegment(dist.HashStore(), 0, 1, CHUNK, timedelta(seconds=5))
+    try:
+        assert not stale.exists()
+    finally:
+        segment.close()

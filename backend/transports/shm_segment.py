@@ -290,13 +290,59 @@ def _reserve(fd: int, path: str, size: int, rank: int, world_size: int, store) -
 
 
 SHM_DIR = "/dev/shm"
-_SEGMENT_NAME = re.compile(r"smddp-[0-9]{1,10}-[0-9a-f]{12}")
+# rank 0's pid namespace (the inode number of /proc/self/ns/pid, 0 where unknown), its pid there,
+# and 48 random bits: a later job can tell from the name alone whether its maker is gone
+_SEGMENT_NAME = re.compile(r"smddp-([0-9]{1,20})-([0-9]{1,10})-[0-9a-f]{12}")
+SEGMENT_NAME_SHOWN = "smddp-<pid namespace>-<pid>-<12 hex digits>"
 _REFUSED_KEY = "shm/refused"
 
 
+def _pid_namespace() -> int:
+    """This process's pid namespace as a number (the "pid:[N]" link of /proc/self/ns/pid); 0
+    where /proc does not show it, which no segment sweep then trusts."""
+    try:
+        return int(os.readlink("/proc/self/ns/pid").split("[", 1)[1].rstrip("]"))
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def _segment_name() -> str:
-    """A fresh name that ``_SEGMENT_NAME`` accepts: rank 0's pid and 48 random bits."""
-    return f"smddp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    """A fresh name that ``_SEGMENT_NAME`` accepts."""
+    return f"smddp-{_pid_namespace()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def remove_stale_segments() -> list[str]:
+    """Remove the names of segments whose maker has died, and return them.
+
+    A job killed before every rank mapped its segment (so before the last one to map removed
+    the name) leaves the segment in /dev/shm, holding its memory for good. Rank 0 of each later
+    job sweeps: a name is removed only if it has this transport's exact pattern, was made in this
+    process's own pid namespace (where its pid means the same process), is a regular file of this
+    user (not a link: lstat), and no process of that pid is alive (a pid reused since makes the
+    segment look alive: it stays, which is the safe side). Where /proc cannot show this process,
+    nothing is proven and nothing removed. Ranks of the dead job that still map the segment keep
+    their mapping: removing a name unmaps nothing."""
+    namespace = _pid_namespace()
+    if namespace == 0 or not alive(os.getpid()):
+        return []
+    removed = []
+    try:
+        entries = list(os.scandir(SHM_DIR))
+    except OSError:
+        return []
+    for entry in entries:
+        match = _SEGMENT_NAME.fullmatch(entry.name)
+        if match is None or int(match[1]) != namespace or alive(int(match[2])):
+            continue
+        try:
+            found = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
+                continue
+            os.unlink(entry.path)
+        except OSError:  # gone meanwhile (another job's sweep), or not ours to remove
+            continue
+        removed.append(entry.name)
+    return removed
 
 
 def _unlink_quietly(path: str) -> None:
@@ -308,6 +354,7 @@ def _map_shared(store, rank: int, world_size: int, size: int, timeout_s: float) 
     """Rank 0 creates the segment and publishes its name; every other rank opens what was
     published only after checking it is such a segment. Returns the mapping and the path."""
     if rank == 0:
+        remove_stale_segments()
         name = _segment_name()
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -345,7 +392,7 @@ def _open_published(path: str, size: int) -> int:
     if directory != SHM_DIR or not _SEGMENT_NAME.fullmatch(name):
         raise SegmentRefusedError(
             f"refused the shared-memory segment path {path!r} from the rendezvous store: expected "
-            f"{SHM_DIR}/smddp-<pid>-<12 hex digits>, as rank 0 makes it. Something other than this "
+            f"{SHM_DIR}/{SEGMENT_NAME_SHOWN}, as rank 0 makes it. Something other than this "
             "job's rank 0 wrote that key; check who can reach the store (MASTER_ADDR:MASTER_PORT), "
             "or set SMDDP_TRANSPORT=gloo")
     dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
