@@ -17,3 +17,14 @@ def _no_deprecated_api_in_our_code():
     """A deprecation raised through this project's code fails the test (tests/warning_gate.py)."""
     with warning_gate.installed():
         yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fault drill's one line per cell (tests/test_fault_drill.py), where it ran."""
+    import sys
+
+    drill = sys.modules.get("tests.test_fault_drill")
+    if drill is not None and drill.SUMMARY:
+        terminalreporter.section("fault drill")
+        for line in drill.SUMMARY:
+            terminalreporter.write_line(line)

@@ -28,7 +28,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from ..errors import PeerFailureError, PeerRefusedError, SegmentRefusedError, where
+from ..errors import PeerFailureError, PeerRefusedError, SegmentRefusedError, ranks_said, where
 from ..signatures import MISMATCH_SAID, mismatch_said
 from .local_peers import alive
 from .refusals import explained
@@ -95,8 +95,11 @@ class ShmSegment:
                     self.mark_broken(f"a rank refused the segment: {said}")
                     raise SegmentRefusedError(f"{where(0, self.world_size, 'init')} {said}")
                 if time.monotonic() > deadline:
-                    self._fail(f"not every rank mapped the shared-memory segment within {self.timeout_s:.0f} s; "
-                               "set SMDDP_TRANSPORT=gloo if the ranks do not share /dev/shm")
+                    # a rank writes its pid into its control line as soon as it has mapped the segment
+                    missing = [r for r in range(self.world_size) if int(self.control[r, PID]) == 0]
+                    self._fail(f"{ranks_said(missing)} did not map the shared-memory segment within "
+                               f"{self.timeout_s:.0f} s: died or stuck before it, or not sharing this host's "
+                               "/dev/shm (set SMDDP_TRANSPORT=gloo where ranks do not share it)")
                 time.sleep(0.001)
         finally:
             _unlink_quietly(path)  # the last rank to map it may have done so already
