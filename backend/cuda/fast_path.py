@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..errors import where
 from ..ops import _FROM_TORCH
 from ..work import KeptWhileCppMayAsk, as_backend_error
+from .work import OutcomeOnDevice
 
 
 class PooledEvent:
@@ -75,7 +76,7 @@ class Lane:
         self.caller_reached = PooledEvent(device.index, stream.stream)  # async calls' stream wait
 
 
-class FastWork(KeptWhileCppMayAsk, dist._Work):
+class FastWork(OutcomeOnDevice, KeptWhileCppMayAsk, dist._Work):
     """One fast call: the Work handed back, and what the watchdog tracks until the call ends.
 
     A synchronous call ran on the caller's stream, so waiting orders nothing more; an
@@ -138,19 +139,6 @@ class FastWork(KeptWhileCppMayAsk, dist._Work):
         end = self.end
         if not self.on_caller_stream and end is not None:
             _stream_wait_event(_raw_stream(self.lane.index), end.handle, 0)
-
-    def is_completed(self) -> bool:
-        return self.error is not None or self.ended()
-
-    def is_success(self) -> bool:
-        return self.error is None and self.ended()
-
-    def exception(self):
-        return self.error
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return self.outputs
 
     def get_future(self) -> torch.futures.Future:
         """A CUDA-aware future of the outputs, completed on a stream ordered after the call (the

@@ -32,7 +32,28 @@ from ..errors import PeerFailureError, SMDDPError
 from ..work import FutureOnRequest, KeptWhileCppMayAsk, as_backend_error
 
 
-class CudaWork(KeptWhileCppMayAsk, dist._Work):
+class OutcomeOnDevice:
+    """What a CUDA Work answers about its outcome, from ``error`` and ``ended()`` (an event on
+    the device): shared by CudaWork and the fast path's FastWork."""
+
+    error: BaseException | None
+    outputs: list[torch.Tensor]
+
+    def is_completed(self) -> bool:
+        return self.error is not None or self.ended()
+
+    def is_success(self) -> bool:
+        return self.error is None and self.ended()
+
+    def exception(self):
+        return self.error
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self.outputs
+
+
+class CudaWork(OutcomeOnDevice, KeptWhileCppMayAsk, dist._Work):
     """One collective on ``device``: ended when ``end`` (a CUDA event) has been reached.
 
     ``keep`` holds every tensor the collective touches until the watchdog sees it end, so the
@@ -123,19 +144,6 @@ class CudaWork(KeptWhileCppMayAsk, dist._Work):
         self._host_done.wait(self.timeout_s)
         self._raise_if_failed()
         torch.cuda.current_stream(self.device).wait_event(self.end)
-
-    def is_completed(self) -> bool:
-        return self.error is not None or self.ended()
-
-    def is_success(self) -> bool:
-        return self.error is None and self.ended()
-
-    def exception(self):
-        return self.error
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return self.outputs
 
     def get_future(self) -> torch.futures.Future:
         """A CUDA-aware future of the outputs: completed on a stream that waits for the
