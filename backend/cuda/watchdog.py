@@ -3,7 +3,7 @@
 NCCL reports some errors only asynchronously (a peer's connection dropped, a remote rank died)
 and a collective whose peers never arrive spins on the GPU forever. A daemon thread per process
 group therefore polls, every ``POLL_S``, the collectives still in flight: those whose end event
-has passed are released (asked newest first: one stream per device ends them in order);
+has passed are released (asked newest first: one communicator per device ends them in order);
 otherwise the communicator's asynchronous error is checked, and one older than the process
 group's timeout counts as stuck. Either way every communicator of the group is
 aborted (which makes NCCL's kernels return), every collective in flight fails with the reason,
@@ -135,7 +135,9 @@ class Watchdog:
 
     def _ended(self, pending: list[CudaWork]) -> list[bool]:
         """Which of ``pending`` (in launch order) have ended. A group's collectives on one
-        device share one stream and end in launch order, so each device's works are asked from
+        device end in launch order: they share one NCCL communicator, whose kernels NCCL runs one
+        after another whichever stream each was enqueued on (the group's own, or a caller's for
+        the fast path's blocking calls), so each device's works are asked from
         the newest back, and the first that has ended vouches for all before it: a poll costs a
         few event queries, not one per call in flight (a loop of small collectives launches
         hundreds between two polls, and the queries hold the interpreter lock its caller needs)."""
