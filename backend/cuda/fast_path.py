@@ -70,8 +70,7 @@ class Lane:
         self.device = device
         self.index = device.index
         self.comm = comm
-        self.stream = stream  # CommStream
-        self.raw_stream = stream.cuda_stream
+        self.raw_stream = stream.cuda_stream  # the group's CommStream on this device
         self.events = EventPool(device.index, stream.stream)
         self.caller_reached = PooledEvent(device.index, stream.stream)  # async calls' stream wait
 
@@ -97,8 +96,7 @@ class FastWork(OutcomeOnDevice, KeptWhileCppMayAsk, dist._Work):
         self.started = time.monotonic()
         self.timeout_s = fast.timeout_s
         self.error: BaseException | None = None
-        self.end: PooledEvent | None = None
-        self._released = False
+        self.end: PooledEvent | None = None  # set at launch; None again once released
 
     @property
     def describe(self) -> str:  # made only when an error needs it
@@ -107,16 +105,15 @@ class FastWork(OutcomeOnDevice, KeptWhileCppMayAsk, dist._Work):
     # the watchdog's side --------------------------------------------------------------------------
     def ended(self) -> bool:
         end = self.end  # read once: the watchdog may release it meanwhile
-        return self._released or end is None or end.event.query()
+        return end is None or end.event.query()
 
     def fail(self, error: BaseException) -> None:
         if self.error is None:
             self.error = error
 
     def release(self) -> None:
-        """Ended on the device: its tensors may go, and its event serves a later call. Marked
-        released first, so that nobody asks the event after a later call recorded it again."""
-        self._released = True
+        """Ended on the device: its tensors may go, and its event serves a later call. ``end`` is
+        cleared before the event goes back, so that nobody asks it after a later call recorded it."""
         self.keep = None
         end, self.end = self.end, None
         if end is not None:
