@@ -180,6 +180,13 @@ class CompileConfig:
     """Clip the global gradient 2-norm to this value; None disables clipping.
     Env: ``SMDDP_MAX_GRAD_NORM``."""
 
+    shard_optimizer_state: bool = False
+    """Each rank keeps and updates only its 1/world share of every bucket (optimizer state,
+    update and reduced gradient), as ZeRO stage 1 does: gradients are reduce-scattered and the
+    updated parameters all-gathered back, the same bytes as an all_reduce. ``optimizer.state``
+    stays empty and ``optimizer.state_dict()`` is collective (every rank must call it; each gets
+    the full state). Env: ``SMDDP_SHARD_OPTIMIZER_STATE``."""
+
     broadcast_buffers: bool = True
     """Give every rank rank 0's buffers (BatchNorm's running statistics) before each training
     forward, as DDP's ``broadcast_buffers=True`` (its default) does; off, each rank keeps its
@@ -224,6 +231,7 @@ ENV_VARS: dict[str, tuple[tuple[str, str], ...]] = {
     "SMDDP_WIRE_DTYPE": (("compile", "wire_dtype"),),
     "SMDDP_MAX_GRAD_NORM": (("compile", "max_grad_norm"),),
     "SMDDP_BROADCAST_BUFFERS": (("compile", "broadcast_buffers"),),
+    "SMDDP_SHARD_OPTIMIZER_STATE": (("compile", "shard_optimizer_state"),),
 }
 
 # Variables that AWS's SMDDP reads and this library does not need. Scripts brought over from

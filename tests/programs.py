@@ -1028,7 +1028,8 @@ def compiled_apart(kind: str, steps: int = 2) -> dict:
     options = {"bucket_cap_mb": 0.01}
     if odd:
         options.update({"bucket": {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.001}, "wire": {"wire_dtype": "bfloat16"},
-                        "clip": {"max_grad_norm": 0.01}, "buffers": {"broadcast_buffers": False}}.get(kind, {}))
+                        "clip": {"max_grad_norm": 0.01}, "buffers": {"broadcast_buffers": False},
+                        "shard": {"shard_optimizer_state": True}}.get(kind, {}))
     made = {}
     lr = 2e-3 if odd and kind == "lr" else 1e-3
     compiled = _error_of(lambda: made.update(zip(("model", "optimizer"), smddp_lite.compile(

@@ -116,6 +116,7 @@ COMPILED_APART = {
     "wire": "wire_dtype (SMDDP_WIRE_DTYPE): unset on rank 0, bfloat16 on rank 1",
     "clip": "max_grad_norm (SMDDP_MAX_GRAD_NORM): None on rank 0, 0.01 on rank 1",
     "buffers": "broadcast_buffers (SMDDP_BROADCAST_BUFFERS): True on rank 0, False on rank 1",
+    "shard": "shard_optimizer_state (SMDDP_SHARD_OPTIMIZER_STATE): False on rank 0, True on rank 1",
     "lr": "optimizer settings: group 0: lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01 on rank 0, "
           "group 0: lr=0.002, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01 on rank 1. Give the optimizer the "
           "same settings on every rank",

@@ -17,13 +17,14 @@ from ..config import compile_config
 from .agreement import check_ranks_agree, what_must_agree
 from .buckets import describe, materialize, plan_buckets
 from .model import CompiledModel
-from .optimizer import CompiledOptimizer, optimizer_family, step_counts
+from .optimizer import CompiledOptimizer, optimizer_family, step_counts, torch_state
 from .reducer import GradReducer
+from .sharding import ParameterGathers, Shard
 
 log = logging.getLogger("smddp_lite")
-# the reducer of each module compiled so far: compiling it again (after unfreezing parameters)
-# detaches the old one's gradient hooks
-_REDUCERS: "weakref.WeakKeyDictionary[torch.nn.Module, GradReducer]" = weakref.WeakKeyDictionary()
+# the reducer (and, sharded, the parameter gathers) of each module compiled so far: compiling it
+# again (after unfreezing parameters) detaches the old ones' hooks
+_ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
 __all__ = ["compile", "CompiledModel", "CompiledOptimizer"]
 
 
@@ -37,7 +38,7 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
             the state carries over). Use the returned optimizer from now on; the one passed in
             is left behind.
         **options: ``bucket_cap_mb``, ``first_bucket_mb``, ``wire_dtype``, ``max_grad_norm``,
-            ``broadcast_buffers``, ``debug`` (see ``smddp_lite.config.CompileConfig``); ``SMDDP_*`` variables set defaults.
+            ``shard_optimizer_state``, ``broadcast_buffers``, ``debug`` (see ``smddp_lite.config.CompileConfig``); ``SMDDP_*`` variables set defaults.
 
     Returns:
         ``(model, optimizer)`` used like a DDP model and a torch optimizer: forward, backward
@@ -69,18 +70,20 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
     group = dist.group.WORLD if dist.is_initialized() else None
     world = dist.get_world_size() if group is not None else 1
     mib = 2**20
+    state = torch_state(optimizer)
     # parameters that stepped apart (some unfrozen after the others) go to separate buckets,
     # each with its own step count, as torch.optim keeps one per parameter
     buckets = plan_buckets(ordered, int(config.bucket_cap_mb * mib), int(config.first_bucket_mb * mib),
-                           step_counts(optimizer, family))
+                           step_counts(state, family))
     if world > 1:  # before anything changes: a rank that differs would otherwise hang, abort or drift
         check_ranks_agree(group, dist.get_rank(), world, next(iter(devices), torch.device("cpu")),
                           what_must_agree(model, [p for _, p in ordered], buckets, family,
                                           optimizer.param_groups, config))
-    previous = _REDUCERS.pop(model, None)
-    if previous is not None:
+    for previous in _ATTACHED.pop(model, []):
         previous.detach()
-    materialize(buckets)
+    shard = Shard(dist.get_rank(), world) if config.shard_optimizer_state and world > 1 else None
+    wire = getattr(torch, config.wire_dtype) if config.wire_dtype and world > 1 else None
+    materialize(buckets, pad_to=world if shard is not None else 1, wire_dtype=wire)
     if world > 1:  # start every rank from rank 0's weights, as DDP does, frozen ones included
         for b in buckets:
             dist.broadcast(b.param_flat, src=0)
@@ -90,16 +93,18 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
                     dist.broadcast(p.data, src=0)
         for buf in model.buffers():
             dist.broadcast(buf, src=0)
-    wire = getattr(torch, config.wire_dtype) if config.wire_dtype else None
-    reducer = GradReducer(buckets, group, world, wire, want_norm=config.max_grad_norm is not None)
-    _REDUCERS[model] = reducer
-    compiled_optimizer = CompiledOptimizer(optimizer, family, buckets, reducer, config.max_grad_norm)
+    gathers = ParameterGathers(buckets, shard, group, model) if shard is not None else None
+    reducer = GradReducer(buckets, group, world, want_norm=config.max_grad_norm is not None, shard=shard,
+                          gathers=gathers)
+    _ATTACHED[model] = [reducer] + ([gathers] if gathers is not None else [])
+    compiled_optimizer = CompiledOptimizer(optimizer, family, buckets, reducer, config.max_grad_norm, gathers, state)
     if config.debug and (group is None or dist.get_rank() == 0):
         names = {id(p): n for n, p in model.named_parameters()}
-        log.info("smddp_lite.compile: %s, %d buckets, world size %d, wire dtype %s, clipping %s\n%s",
+        log.info("smddp_lite.compile: %s, %d buckets, world size %d, wire dtype %s, clipping %s, %s\n%s",
                  type(optimizer).__name__, len(buckets), world, config.wire_dtype or "as parameters",
-                 config.max_grad_norm, describe(buckets, names))
-    return CompiledModel(model, reducer, config.broadcast_buffers), compiled_optimizer
+                 config.max_grad_norm, "optimizer state sharded" if shard is not None else "optimizer state on every rank",
+                 describe(buckets, names))
+    return CompiledModel(model, reducer, config.broadcast_buffers, gathers), compiled_optimizer
 
 
 def _ordered_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.nn.Parameter]]:

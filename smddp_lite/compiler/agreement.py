@@ -16,12 +16,9 @@ import json
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from ..backend.errors import ranks_said
-
-# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every call) for all_gather_single
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from .sharding import ALL_GATHER
 
 SAME_MODEL = "build the same model on every rank, with the same parameters trainable (requires_grad)"
 SAME_OPTIONS = "pass the same compile options (or SMDDP_* variables) on every rank"
@@ -74,6 +71,7 @@ def what_must_agree(model: torch.nn.Module, trainable: list[torch.Tensor], bucke
          "stepped before compile on some ranks only, trains the replicas apart)"),
         ("wire_dtype (SMDDP_WIRE_DTYPE)", str(config.wire_dtype or "unset"), SAME_OPTIONS),
         ("max_grad_norm (SMDDP_MAX_GRAD_NORM)", str(config.max_grad_norm), SAME_OPTIONS),
+        ("shard_optimizer_state (SMDDP_SHARD_OPTIMIZER_STATE)", str(config.shard_optimizer_state), SAME_OPTIONS),
         # without buffers it changes nothing
         ("broadcast_buffers (SMDDP_BROADCAST_BUFFERS)",
          str(config.broadcast_buffers) if any(b.numel() for b in model.buffers()) else "unused", SAME_OPTIONS),
@@ -88,7 +86,7 @@ def check_ranks_agree(group, rank: int, world: int, device: torch.device, entrie
     words = json.dumps([value for _, value, _ in entries]).encode()
     mine = torch.tensor([zlib.crc32(words), len(words)], dtype=torch.int64, device=device)
     table = torch.empty(world * 2, dtype=torch.int64, device=device)
-    _ALL_GATHER(table, mine, group=group)
+    ALL_GATHER(table, mine, group=group)
     rows = table.view(world, 2).tolist()
     if all(row == rows[0] for row in rows):
         return
@@ -97,7 +95,7 @@ def check_ranks_agree(group, rank: int, world: int, device: torch.device, entrie
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: len(words)] = torch.frombuffer(bytearray(words), dtype=torch.uint8)
     everyone = torch.empty(world * longest, dtype=torch.uint8, device=device)
-    _ALL_GATHER(everyone, padded.to(device), group=group)
+    ALL_GATHER(everyone, padded.to(device), group=group)
     flat = everyone.cpu().view(world, longest)
     values = [json.loads(bytes(flat[r, :length].tolist())) for r, (_, length) in enumerate(rows)]
     raise ValueError(f"smddp_lite.compile (rank {rank}/{world}): the ranks compiled different models or options, "

@@ -31,8 +31,12 @@ class Bucket:
     dtype: torch.dtype
     device: torch.device
     # set by materialize():
+    padded_numel: int = 0  # numel rounded up to a multiple of the world size when sharded
     param_flat: torch.Tensor | None = None  # (numel,) every parameter's storage
     grad_flat: torch.Tensor | None = None  # (numel,) every parameter's .grad
+    # (padded_numel,) the gradients in the wire dtype, when they travel in another dtype; sharded
+    # with a bfloat16 wire, the updates travel back in it too (sharding.ParameterGathers)
+    wire_flat: torch.Tensor | None = None
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -64,12 +68,18 @@ def plan_buckets(ordered: list[tuple[int, torch.nn.Parameter]], cap_bytes: int, 
     return buckets
 
 
-def materialize(buckets: list[Bucket]) -> None:
+def materialize(buckets: list[Bucket], pad_to: int = 1, wire_dtype: torch.dtype | None = None) -> None:
     """Move every parameter's storage into its bucket's flat buffer and make ``.grad`` a view of
-    the flat gradient buffer, so the optimizer and the collectives see one tensor per bucket."""
+    the flat gradient buffer, so the optimizer and the collectives see one tensor per bucket.
+    ``pad_to``: the flat buffers' length is a multiple of it (the world size, when each rank
+    owns one equal share of every bucket); the zeros after the last parameter belong to none.
+    ``wire_dtype``: the dtype gradients travel in, where it differs from a bucket's."""
     for b in buckets:
-        b.param_flat = torch.empty(b.numel, dtype=b.dtype, device=b.device)
-        b.grad_flat = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+        b.padded_numel = -(-b.numel // pad_to) * pad_to
+        b.param_flat = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
+        b.grad_flat = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
+        if wire_dtype is not None and wire_dtype != b.dtype:
+            b.wire_flat = torch.zeros(b.padded_numel, dtype=wire_dtype, device=b.device)
         for i, p in enumerate(b.params):
             view = b.view(b.param_flat, i)
             view.copy_(p.detach())

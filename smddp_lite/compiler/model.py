@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .reducer import GradReducer
+from .sharding import ParameterGathers
 
 
 # what DDP broadcasts buffers in: one flat tensor per dtype of up to this many bytes
@@ -18,10 +19,12 @@ class CompiledModel(torch.nn.Module):
     """Wraps ``module`` (reachable as ``.module``, so ``state_dict`` keys carry the same
     ``module.`` prefix as DDP's) and owns the gradient reducer."""
 
-    def __init__(self, module: torch.nn.Module, reducer: GradReducer, broadcast_buffers: bool = True) -> None:
+    def __init__(self, module: torch.nn.Module, reducer: GradReducer, broadcast_buffers: bool = True,
+                 gathers: ParameterGathers | None = None) -> None:
         super().__init__()
         self.module = module
         self.reducer = reducer
+        self._gathers = gathers
         self.broadcast_buffers = broadcast_buffers and reducer.world_size > 1
         # DDP's rule: a forward broadcasts rank 0's buffers when the forward before it trained
         # (grad enabled, outside no_sync), and the first one does; an evaluation loop under
@@ -34,6 +37,13 @@ class CompiledModel(torch.nn.Module):
             self._sync_buffers()
         self._buffers_need_sync = torch.is_grad_enabled() and self.reducer.sync
         return self.module(*args, **kwargs)
+
+    def wait_for_parameters(self) -> None:
+        """Sharded step: wait until every rank's updated share is in this rank's parameters.
+        Forward and ``state_dict()`` wait for what they read; call this before reading the
+        parameters any other way (``model.module.weight``, a ``parameters()`` loop) after a step."""
+        if self._gathers is not None:
+            self._gathers.wait_all()
 
     def _sync_buffers(self) -> None:
         """Rank 0's buffers on every rank (running statistics that each rank updated from its own

@@ -6,6 +6,11 @@ back. Internally each state tensor is a view into a flat per-bucket buffer the k
 ``optimizer.state[p]`` holds those views from the step that creates them, as torch's would;
 ``state_dict()`` also reports the state torch starts from before that step, so that
 torch.distributed.checkpoint asks a checkpoint for it.
+
+Sharded (``shard_optimizer_state``), the flat state holds only this rank's share of each bucket,
+the kernel updates that share, and the updated shares are gathered back (``sharding``).
+``optimizer.state`` then stays empty; ``state_dict()`` gathers the full state onto every rank
+(a collective: every rank calls it) and ``load_state_dict()`` keeps this rank's share of a full one.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from ..kernels import adam_step, sgd_step
 from ..kernels._launch import arithmetic_dtype
 from .buckets import Bucket
 from .reducer import GradReducer
+from .sharding import ALL_GATHER, ParameterGathers, check_every_rank_calls
 
 SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
 
@@ -60,11 +66,21 @@ def check_supported(param_groups, name: str, family: str | None = None, when: st
 _NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
 
 
-def step_counts(optimizer: torch.optim.Optimizer, family: str) -> dict[int, float]:
-    """Each parameter's step count (by ``id``) in torch.optim's state: Adam's "step", and for
+def torch_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer``'s state as torch.optim keeps it (parameter -> entry). A sharded compiled
+    optimizer keeps none in ``state``: its entries are gathered from every rank (a collective)."""
+    if isinstance(optimizer, CompiledOptimizer) and optimizer.shard is not None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        gathered = optimizer._gathered_entries("smddp_lite.compile of an optimizer it returned sharded")
+        return {params[i]: entry for i, entry in gathered.items()}
+    return dict(optimizer.state)
+
+
+def step_counts(state: dict, family: str) -> dict[int, float]:
+    """Each parameter's step count (by ``id``) in torch.optim's ``state``: Adam's "step", and for
     SGD whether its momentum buffer exists (its first step with momentum starts it)."""
     counts = {}
-    for p, entry in optimizer.state.items():
+    for p, entry in state.items():
         if family == "sgd":
             counts[id(p)] = 1.0 if entry.get("momentum_buffer") is not None else 0.0
         elif "step" in entry:
@@ -79,17 +95,22 @@ class CompiledOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale/found_inf instead of unscaling
 
     def __init__(self, inner: torch.optim.Optimizer, family: str, buckets: list[Bucket], reducer: GradReducer,
-                 max_grad_norm: float | None) -> None:
+                 max_grad_norm: float | None, gathers: ParameterGathers | None = None,
+                 state: dict | None = None) -> None:
+        """``state``: torch-format state to start from (``torch_state(inner)``); default ``inner.state``."""
         # the wrapped optimizer's own group dicts, not copies: an LR scheduler made before compile
         # (on the optimizer passed in) edits them, and must drive these steps
         super().__init__(inner.param_groups, inner.defaults)
         self._inner = weakref.ref(inner)
         self.family, self.buckets, self.reducer, self.max_grad_norm = family, buckets, reducer, max_grad_norm
+        self.gathers = gathers
+        self.shard = reducer.shard
         # GradScaler sets self.grad_scale and self.found_inf before step() and deletes them after
         self.last_grad_norm: torch.Tensor | None = None  # unscaled global norm of the last step
         keys = self._state_keys()
-        # (numel,) flat state per bucket and key, and a step counter per bucket (device tensors)
-        self.flat_state = [{k: torch.zeros_like(b.param_flat) for k in keys} for b in buckets]
+        # flat state per bucket and key (the whole bucket, or this rank's share of it), and a step
+        # counter per bucket (device tensors)
+        self.flat_state = [{k: torch.zeros_like(self._mine(b, b.param_flat)) for k in keys} for b in buckets]
         # scalars in the update's arithmetic dtype: float32, float64 for float64 parameters
         self.steps = [torch.zeros(1, dtype=arithmetic_dtype(b.dtype), device=b.device) for b in buckets]
         # whether torch would keep state for a bucket's parameters yet, known on the host so that
@@ -102,7 +123,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         # the loss scale and clipping coefficient are worked out once, in float64 if any update is
         self._multiplier_dtype = max((arithmetic_dtype(b.dtype) for b in buckets), key=lambda d: d.itemsize,
                                      default=torch.float32)
-        self._import(inner.state)
+        self._import(inner.state if state is None else state)
         # parameters the optimizer holds that were frozen at compile time: no bucket holds them
         bucketed = {id(p) for b in buckets for p in b.params}
         self._frozen = [p for g in self.param_groups for p in g["params"] if id(p) not in bucketed]
@@ -115,6 +136,15 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 "parameter into communication buckets once. Add the group to the optimizer before calling "
                 "smddp_lite.compile (or compile again with the new optimizer)")
         super().add_param_group(param_group)
+
+    def _mine(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
+        """The part of a bucket-sized buffer this rank updates: all of it, or its share."""
+        return flat if self.shard is None else self.shard.of(b, flat)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (moments or momentum, and step counters)."""
+        return sum(t.numel() * t.element_size() for flat in self.flat_state for t in flat.values()) + \
+            sum(t.numel() * t.element_size() for t in self.steps)
 
     def _state_keys(self) -> tuple[str, ...]:
         # SGD gets a momentum buffer even with momentum 0: a scheduler (OneCycleLR) may turn it on
@@ -133,12 +163,17 @@ class CompiledOptimizer(torch.optim.Optimizer):
         inner = self._inner()
         if inner is not None:  # what a scheduler made on it looks for, to tell step order apart
             inner._opt_called = True
+        if self.gathers is not None:  # the last step's gathers still write into the parameters
+            self.gathers.wait_all()
         scale, found_inf = self._grad_multiplier()
         # known on the host: without a loss scale or clipping the gradient is left as it is (with
         # either, the update writes it back unscaled and clipped, as torch's fused steps and
         # GradScaler.unscale_ + clip_grad_norm_ leave .grad)
         unit_scale = getattr(self, "grad_scale", None) is None and self.max_grad_norm is None
-        for b, state, step in zip(self.buckets, self.flat_state, self.steps):
+        # sharded, the last buckets (the first layers) go first: their gathers are the first the
+        # next forward waits for
+        order = range(len(self.buckets)) if self.shard is None else reversed(range(len(self.buckets)))
+        for b, state, step in ((self.buckets[i], self.flat_state[i], self.steps[i]) for i in order):
             group = self.param_groups[b.group]
             compute = arithmetic_dtype(b.dtype)
             lr = self._lr[(b.device, compute)][b.group]
@@ -153,15 +188,20 @@ class CompiledOptimizer(torch.optim.Optimizer):
                     self._publish_state(b)
             common = dict(lr=lr, step=step, scale=scale.to(b.device, compute),
                           found_inf=found_inf.to(b.device, compute), unit_scale=unit_scale)
+            params, grads = self._mine(b, b.param_flat), self._mine(b, b.grad_flat)
+            if self.gathers is not None:
+                self.gathers.before_update(b)
             if self.family == "sgd":
-                sgd_step(b.param_flat, b.grad_flat, state.get("momentum_buffer"), momentum=group["momentum"],
+                sgd_step(params, grads, state.get("momentum_buffer"), momentum=group["momentum"],
                          dampening=group["dampening"], weight_decay=group["weight_decay"],
                          nesterov=group["nesterov"], **common)
             else:
                 beta1, beta2 = group["betas"]
-                adam_step(b.param_flat, b.grad_flat, state["exp_avg"], state["exp_avg_sq"], beta1=beta1,
+                adam_step(params, grads, state["exp_avg"], state["exp_avg_sq"], beta1=beta1,
                           beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                           decoupled=self.family == "adamw", **common)
+            if self.gathers is not None:
+                self.gathers.launch(b)
         return loss
 
     def _check_still_frozen(self) -> None:
@@ -205,6 +245,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
 
     # checkpoints in torch.optim's format --------------------------------------------------------
     def state_dict(self):
+        if self.gathers is not None:
+            self.gathers.wait_all()
         sd = super().state_dict()
         # entries are copied so the checkpoint's CPU step does not replace the live view in
         # self.state; one step tensor per parameter, as torch keeps them
@@ -213,7 +255,29 @@ class CompiledOptimizer(torch.optim.Optimizer):
             if "step" in entry:
                 entry["step"] = entry["step"].detach().to("cpu", torch.float32).clone()
         sd["state"].update(self._unstarted_entries())
+        if self.shard is not None:
+            sd["state"].update(self._gathered_entries())
         return sd
+
+    def _gathered_entries(self, what: str = "optimizer.state_dict()") -> dict[int, dict[str, torch.Tensor]]:
+        """torch-format entries of every parameter with state, from every rank's shares: one
+        all-gather per bucket and state key, into a bucket-sized buffer the entries are views of
+        (so the full state exists on every rank while the state_dict is alive)."""
+        check_every_rank_calls(what, self.shard.world, self.shard.rank)
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        entries = {}
+        for b, flat, step in zip(self.buckets, self.flat_state, self.steps):
+            if not self._has_state[b.index]:
+                continue
+            full = {}
+            for key, share in flat.items():
+                full[key] = torch.empty(b.padded_numel, dtype=share.dtype, device=share.device)
+                ALL_GATHER(full[key], share, group=self.reducer.group)
+            for i, p in enumerate(b.params):
+                views = {k: b.view(v, i) for k, v in full.items()}
+                entries[index[id(p)]] = views if self.family == "sgd" else {
+                    "step": step.detach().to("cpu", torch.float32).reshape(()).clone(), **views}
+        return entries
 
     def _unstarted_entries(self) -> dict[int, dict[str, torch.Tensor]]:
         """Zero entries for parameters that hold no state yet, where a zero entry is exactly the
@@ -249,11 +313,25 @@ class CompiledOptimizer(torch.optim.Optimizer):
 
     def _publish_state(self, bucket: Bucket) -> None:
         """Make ``self.state[p]`` torch's entries for the bucket's parameters: views into the flat
-        buffers, so they follow every later step without being published again."""
+        buffers, so they follow every later step without being published again. Sharded, no rank
+        holds a parameter's whole state, and ``self.state`` stays empty."""
+        if self.shard is not None:
+            return
         flat, step = self.flat_state[bucket.index], self.steps[bucket.index]
         for i, p in enumerate(bucket.params):
             views = {k: bucket.view(v, i) for k, v in flat.items()}
             self.state[p] = views if self.family == "sgd" else {"step": step.reshape(()), **views}
+
+    def _import_one(self, b: Bucket, i: int, buf: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy the state ``value`` of ``b``'s ``i``-th parameter into ``buf``: all of it, or the
+        part this rank's share holds."""
+        if self.shard is None:
+            b.view(buf, i).copy_(value)
+            return
+        part = self.shard.overlap(b, i)
+        if part is not None:
+            start, at, length = part
+            buf[at:at + length].copy_(value.reshape(-1)[start:start + length])
 
     def _import(self, state) -> None:
         """Copy torch-format state (from the wrapped optimizer or a checkpoint) into the flats."""
@@ -271,7 +349,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
                                 f"smddp_lite.compile: the optimizer state's {key!r} for a parameter of shape "
                                 f"{tuple(p.shape)} has shape {tuple(entry[key].shape)}; load a checkpoint "
                                 "written for this model (its parameters in the same order)")
-                        b.view(buf, i).copy_(entry[key])
+                        self._import_one(b, i, buf, entry[key])
                 if self.family == "sgd":
                     steps.add(1.0 if entry.get("momentum_buffer") is not None else 0.0)
                 else:
