@@ -123,3 +123,23 @@ def test_an_optimizer_the_fused_step_does_not_support_is_refused_by_name():
     with pytest.raises(ValueError, match=r"torch\.optim\.rmsprop\.RMSprop is not supported; supported: "
                                          r"torch\.optim\.AdamW, torch\.optim\.Adam, torch\.optim\.SGD"):
         smddp_lite.compile(model, torch.optim.RMSprop(model.parameters()), shard_optimizer_state=True)
+
+
+def test_the_sharded_step_benchmark_runs_and_its_variants_train_alike():
+    """The CPU smoke run of benchmarks/sharded_step.py: the five variants train the same model on
+    the same batches, so they end together; the sharded one holds half the state at 2 ranks."""
+    import json
+    import subprocess
+    import sys
+
+    root = harness.ROOT
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "benchmarks/sharded_step.py", "--width", "96", "--steps", "2", "--warmup", "1",
+                           "--block", "1"], cwd=root, check=True, timeout=180, capture_output=True, text=True)
+    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    variants = report["variants"]
+    assert set(variants) == {"ddp", "zero-default", "zero", "compiled", "sharded"}
+    for name, v in variants.items():
+        assert v["max_param_diff_vs_compiled"] <= 1e-6, (name, v)
+        assert v["optimizer_step_ms"] > 0 and v["train_step_ms"] > 0, (name, v)
+    assert variants["sharded"]["state_bytes_per_rank_max"] < 0.51 * variants["compiled"]["state_bytes_per_rank_max"]
