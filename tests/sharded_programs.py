@@ -304,9 +304,8 @@ def compile_again_after_unfreezing(steps: int = 3) -> dict:
     return {"max_diff": diff}
 
 
-def what_waits_for_the_gathers() -> dict:
-    """After a step every bucket's gather is in flight; a forward of the last layer alone waits
-    for the buckets holding that layer's parameters and no others; state_dict() waits for all."""
+def _sharded_after_one_step():
+    """(module, compiled model, optimizer) of a sharded step that has taken one step."""
     smddp_lite.init()
     module = _model()
     model, opt = smddp_lite.compile(module, torch.optim.AdamW(module.parameters(), lr=3e-3),
@@ -314,6 +313,13 @@ def what_waits_for_the_gathers() -> dict:
     x, y = _batch(torch.Generator().manual_seed(dist.get_rank()))
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
+    return module, model, opt
+
+
+def what_waits_for_the_gathers() -> dict:
+    """After a step every bucket's gather is in flight; a forward of the last layer alone waits
+    for the buckets holding that layer's parameters and no others; state_dict() waits for all."""
+    module, model, opt = _sharded_after_one_step()
     gathers = model._gathers
     seen = {"after step": gathers.in_flight()}
     with torch.no_grad():
@@ -332,20 +338,17 @@ def state_dict_on_one_rank(wait_s: float = 2.0) -> dict:
     with a sharded step: rank 0's call must say what is wrong instead of waiting forever."""
     import smddp_lite.compiler.sharding as sharding
 
-    sharding.ARRIVAL_WAIT_S = wait_s
-    smddp_lite.init()
-    module = _model()
-    model, opt = smddp_lite.compile(module, torch.optim.AdamW(module.parameters(), lr=3e-3),
-                                    shard_optimizer_state=True, **ONE_PER_BUCKET)
-    x, y = _batch(torch.Generator().manual_seed(dist.get_rank()))
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            opt.state_dict()
-        except RuntimeError as exc:
-            error = str(exc)
-    dist.barrier()
-    dist.destroy_process_group()
+    kept, sharding.ARRIVAL_WAIT_S = sharding.ARRIVAL_WAIT_S, wait_s  # a pooled rank runs other programs later
+    try:
+        _, _, opt = _sharded_after_one_step()
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                opt.state_dict()
+            except RuntimeError as exc:
+                error = str(exc)
+        dist.barrier()
+        dist.destroy_process_group()
+    finally:
+        sharding.ARRIVAL_WAIT_S = kept
     return {"error": error}

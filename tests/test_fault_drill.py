@@ -56,8 +56,6 @@ SUMMARY: list[str] = []  # one line per cell, printed by conftest.py's terminal 
 LAUNCHER_ENDS_THE_JOB = {("mpi", "sigkill_in_call")}
 # cells the drill shows failing today: strict, so a fix that makes one pass must remove it here
 KNOWN_GAPS = {
-    ("hierarchical", "sigkill_in_call"): "ranks on the other host see only gloo's timeout, naming no rank",
-    ("hierarchical", "exception"): "ranks on the other host see only gloo's timeout, naming no rank",
     ("mpi", "sigkill_in_init"): "the survivor hangs in init until the launcher is killed",
 }
 

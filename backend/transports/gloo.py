@@ -7,6 +7,7 @@ TCP, which is why it is the fallback when ranks do not share a host and no MPI l
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,12 @@ _PEER_GONE_HINT = (" (a peer's process ended. If its output shows gloo's \"Recei
                    "expected size\", ranks called collectives of different sizes: gloo aborted that rank, and "
                    "this rank's earlier result may be wrong. Without SMDDP_CHECK_COLLECTIVES=0 (the check is on by "
                    "default) every rank raises naming each rank's call instead, before any data moves.)")
+
+
+# How long a rank whose peer's connection closed waits for the group's board to say why. The
+# peer may have left because a rank on its own host died, which that host's survivors post
+# within a shared-memory check (50 ms) of seeing it; gloo's error names only a socket address.
+_NEWS_GRACE_S = 1.0
 
 
 class _SliceEnded(Exception):
@@ -87,7 +94,7 @@ class GlooTransport(Transport):
             # a peer that raised for a reason it posted on the group's board (a mismatch it
             # found, a refusal) and then exited closes its connections before this rank's next
             # look there: its reason says more than gloo's "connection closed"
-            said = self.refusals.news(call.index) if self.refusals is not None else None
+            said = self._news_of_failure(call, peer_left="by peer" in str(exc))
             if said is not None:
                 raise explained(said, self.where(call, op)) from exc
             # Gloo's own text names the peer only by its socket address: a rank on this machine
@@ -96,6 +103,19 @@ class GlooTransport(Transport):
             named = f"{ranks_said(dead)} on this machine died (its process ended); " if dead else ""
             hint = _PEER_GONE_HINT if "by peer" in str(exc) else ""
             raise PeerFailureError(f"{self.where(call, op)} {named}gloo failed: {exc}{hint}") from exc
+
+    def _news_of_failure(self, call: Call, peer_left: bool) -> str | None:
+        """What the group's board says of why this rank's part of ``call`` failed; where a peer
+        closed its connection (``peer_left``), looked up for up to _NEWS_GRACE_S unless a rank on
+        this machine is seen dead (which names the rank). A timeout is not waited on further."""
+        if self.refusals is None:
+            return None
+        deadline = time.monotonic() + (_NEWS_GRACE_S if peer_left else 0.0)
+        while True:
+            said = self.refusals.news(call.index)
+            if said is not None or time.monotonic() >= deadline or self._local_peers.dead():
+                return said
+            time.sleep(POLL_S)
 
     def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:
         self.all_reduce_async(call, tensor, op)()

@@ -94,8 +94,11 @@ class HierarchicalTransport(Transport):
         # A refusal of one of this group's calls is posted under the group's call index, and every
         # part looks for it there, so a rank waiting in any of them hears of it: a peer on another
         # host refusing the call (in gloo), or a peer on this host waiting in shared memory for a
-        # rank that raised when it heard of a refusal.
-        super().__init__(rank, world_size, refusals=RefusalBoard(store, rank, world_size, timeout))
+        # rank that raised when it heard of a refusal. Failures are heard too: a rank that finds a
+        # peer on its host dead says so there (ShmSegment.announce): ranks on other hosts would see
+        # only their exchange with this host stall, until the group's timeout, naming no rank.
+        super().__init__(rank, world_size, refusals=RefusalBoard(store, rank, world_size, timeout,
+                                                                 hears_failures=True))
         self.topo = topology
         self.node = topology.node_of[rank]
         self.local_rank = topology.local[self.node].index(rank)
@@ -112,7 +115,8 @@ class HierarchicalTransport(Transport):
         self.intra = intra_factory(dist.PrefixStore(f"intra{self.node}", store), self.local_rank, self.per_node,
                                    role="within the host", peers_shown=topology.local[self.node], **shown)
         self.inter = GlooTransport(dist.PrefixStore(f"inter{self.local_rank}", store), self.node, self.nodes, timeout,
-                                   config.scratch_max_bytes, role="between hosts", **shown)
+                                   config.scratch_max_bytes, role="between hosts",
+                                   peers_shown=[topology.local[k][self.local_rank] for k in range(self.nodes)], **shown)
         self.flat = GlooTransport(dist.PrefixStore("flat", store), rank, world_size, timeout, config.scratch_max_bytes,
                                   **shown)
         # (L, N): for each local index j, the ranks with that index, host by host; the order in

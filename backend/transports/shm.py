@@ -49,7 +49,8 @@ class ShmTransport(Transport):
         super().__init__(rank, world_size, **shown)
         # the segment writes most of this transport's errors: it names ranks as this one does
         self.seg = ShmSegment(store, rank, world_size, chunk_bytes, timeout, shown_as=self.shown_as,
-                              peers_shown=self.peers_shown, refused=self._refusal)
+                              peers_shown=self.peers_shown, refused=self._refusal,
+                              announce=self.refusals.announce_failure if self.refusals is not None else None)
         self.seq = 0
         self.step = 0
         # float32 accumulator for 16-bit reductions: one chunk's worth of elements.

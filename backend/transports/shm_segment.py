@@ -59,8 +59,8 @@ class ShmSegment:
 
     def __init__(self, store, rank: int, world_size: int, chunk_bytes: int, timeout: timedelta, *,
                  shown_as: tuple[int, int] | None = None, peers_shown: list[int] | None = None,
-                 refused=None) -> None:
-        self.shown_as, self.peers_shown, self.refused = shown_as, peers_shown, refused
+                 refused=None, announce=None) -> None:
+        self.shown_as, self.peers_shown, self.refused, self.announce = shown_as, peers_shown, refused, announce
         self.rank, self.world_size, self.chunk_bytes = rank, world_size, chunk_bytes
         self.timeout_s = timeout.total_seconds()
         self._control_bytes = _align(world_size * CONTROL_WORDS * 8)
@@ -160,6 +160,9 @@ class ShmSegment:
     broken = False
     current_call = -1  # index of the process-group call this rank is inside (entering)
     refused = None  # the transport's look at its group's RefusalBoard, when its peers may refuse there
+    # the transport's word to its group's ranks on other hosts (announce(call, reason)), which
+    # cannot see this host's ranks die: they would wait between hosts for the group's timeout
+    announce = None
     shown_as: tuple[int, int] | None = None  # the transport's (rank, world size) for messages, if not ours
     peers_shown: list[int] | None = None  # the rank messages give each of ours, if not ours (Transport's)
 
@@ -194,7 +197,7 @@ class ShmSegment:
                 reason = self._reason(peer)
                 if reason.startswith(MISMATCH_SAID):  # the group's board found it: say what it said
                     self._fail_as_told(reason)
-                self._fail(f"rank {self._shown(peer)} aborted: {reason}")
+                self._fail_telling_others(f"rank {self._shown(peer)} aborted: {reason}")
             if self.control[peer, REJECTED] == self.current_call >= 0:
                 self._fail(f"rank {self._shown(peer)} refused this call: {self._reason(peer)}", PeerRefusedError)
         said = self.refused() if self.refused is not None else None
@@ -202,7 +205,7 @@ class ShmSegment:
             self._fail_as_told(said)
         pid = int(self.control[waiting_for, PID])
         if pid and not alive(pid):
-            self._fail(f"rank {self._shown(waiting_for)} (pid {pid}) died")
+            self._fail_telling_others(f"rank {self._shown(waiting_for)} (pid {pid}) died")
         if waited_s > self.timeout_s:
             self._fail(
                 f"rank {self._shown(waiting_for)} did not arrive within the process group timeout "
@@ -225,6 +228,13 @@ class ShmSegment:
             f"{self._where()} {what}. This process group can no "
             "longer be used; restart the job (or destroy and re-create the group)."
         )
+
+    def _fail_telling_others(self, what: str) -> None:
+        """Fail for a peer on this host that died or aborted, and say so to the ranks on other
+        hosts (the peer's own word may never reach them)."""
+        if self.announce is not None and self.current_call >= 0:
+            self.announce(self.current_call, f"on its host, {what}")
+        self._fail(what)
 
     def _fail_as_told(self, said: str) -> None:
         """Leave the call for what the group's refusal board said (refusals.explained's error)."""
