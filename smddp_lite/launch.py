@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import threading
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -59,6 +60,39 @@ def init(backend: str = BACKEND_NAME, init_method: str | None = None, rank: int 
 
 
 def _mpi_rendezvous(timeout: timedelta | None):
+    """Meet through MPI (``_meet_through_mpi``) within ``timeout`` (default 30 minutes), or raise.
+
+    MPI's start-up waits for every rank with no timeout and no error: a rank that dies before it
+    (or before the collectives that follow) leaves the others in MPI_Init for good, and under a
+    launcher that lets the survivors live nothing ends them. So the meeting runs on a thread of
+    its own (mpi4py asks for MPI_THREAD_MULTIPLE), and the caller raises once the timeout passes.
+    Such a process cannot use MPI any more; it leaves the thread behind when it exits."""
+    wait = timeout or timedelta(minutes=30)
+    outcome: dict = {}
+
+    def meet() -> None:
+        try:
+            outcome["met"] = _meet_through_mpi(wait)
+        except BaseException as exc:  # raised again on the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=meet, name="smddp-mpi-rendezvous", daemon=True)
+    thread.start()
+    thread.join(wait.total_seconds())
+    if "error" in outcome:
+        raise outcome["error"]
+    if "met" not in outcome:
+        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
+        size = os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "?"))
+        raise RuntimeError(
+            f"{where(rank, size, 'init')} the ranks did not all meet through MPI within the timeout "
+            f"({wait.total_seconds():g} s): a rank may have died or be stuck before or during MPI's start-up, "
+            "where MPI itself reports nothing and waits forever. Look at the other ranks' output; to wait "
+            "longer, pass smddp_lite.init(timeout=...).")
+    return outcome["met"]
+
+
+def _meet_through_mpi(store_timeout: timedelta):
     """Rank 0 opens a TCPStore on an OS-chosen port; an MPI broadcast tells every rank where."""
     from smddp_lite.backend.transports.mpi_environment import INSTALL_HINT, import_mpi
 
@@ -69,7 +103,6 @@ def _mpi_rendezvous(timeout: timedelta | None):
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    store_timeout = timeout or timedelta(minutes=30)
     if rank == 0:
         try:
             host = store_address(os.environ.get("MASTER_ADDR"), one_host=local.Get_size() == size)
