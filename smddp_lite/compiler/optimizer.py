@@ -23,7 +23,7 @@ from ..kernels import adam_step, sgd_step
 from ..kernels._launch import arithmetic_dtype
 from .buckets import Bucket
 from .reducer import GradReducer
-from .sharding import ALL_GATHER, ParameterGathers, check_every_rank_calls
+from .sharding import ALL_GATHER, ParameterGathers, Shard, check_every_rank_calls
 
 SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
 
@@ -104,13 +104,13 @@ class CompiledOptimizer(torch.optim.Optimizer):
         self._inner = weakref.ref(inner)
         self.family, self.buckets, self.reducer, self.max_grad_norm = family, buckets, reducer, max_grad_norm
         self.gathers = gathers
-        self.shard = reducer.shard
         # GradScaler sets self.grad_scale and self.found_inf before step() and deletes them after
         self.last_grad_norm: torch.Tensor | None = None  # unscaled global norm of the last step
         keys = self._state_keys()
         # flat state per bucket and key (the whole bucket, or this rank's share of it), and a step
         # counter per bucket (device tensors)
-        self.flat_state = [{k: torch.zeros_like(self._mine(b, b.param_flat)) for k in keys} for b in buckets]
+        self.flat_state = [{k: torch.zeros_like(Shard.part(self.shard, b, b.param_flat)) for k in keys}
+                           for b in buckets]
         # scalars in the update's arithmetic dtype: float32, float64 for float64 parameters
         self.steps = [torch.zeros(1, dtype=arithmetic_dtype(b.dtype), device=b.device) for b in buckets]
         # whether torch would keep state for a bucket's parameters yet, known on the host so that
@@ -137,9 +137,10 @@ class CompiledOptimizer(torch.optim.Optimizer):
                 "smddp_lite.compile (or compile again with the new optimizer)")
         super().add_param_group(param_group)
 
-    def _mine(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
-        """The part of a bucket-sized buffer this rank updates: all of it, or its share."""
-        return flat if self.shard is None else self.shard.of(b, flat)
+    @property
+    def shard(self):
+        """This rank's share of every bucket (the reducer's), or None when unsharded."""
+        return self.reducer.shard
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (moments or momentum, and step counters)."""
@@ -188,7 +189,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
                     self._publish_state(b)
             common = dict(lr=lr, step=step, scale=scale.to(b.device, compute),
                           found_inf=found_inf.to(b.device, compute), unit_scale=unit_scale)
-            params, grads = self._mine(b, b.param_flat), self._mine(b, b.grad_flat)
+            params, grads = Shard.part(self.shard, b, b.param_flat), Shard.part(self.shard, b, b.grad_flat)
             if self.gathers is not None:
                 self.gathers.before_update(b)
             if self.family == "sgd":
@@ -245,8 +246,6 @@ class CompiledOptimizer(torch.optim.Optimizer):
 
     # checkpoints in torch.optim's format --------------------------------------------------------
     def state_dict(self):
-        if self.gathers is not None:
-            self.gathers.wait_all()
         sd = super().state_dict()
         # entries are copied so the checkpoint's CPU step does not replace the live view in
         # self.state; one step tensor per parameter, as torch keeps them

@@ -79,10 +79,6 @@ class GradReducer:
             self._launch(self.buckets[self._next])
             self._next += 1
 
-    def reduced(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
-        """The part of ``flat`` (a bucket-sized buffer) that holds reduced gradients on this rank."""
-        return flat if self.shard is None else self.shard.of(b, flat)
-
     def _launch(self, b: Bucket) -> None:
         if self.world_size == 1:
             return
@@ -115,7 +111,7 @@ class GradReducer:
             if work is not None:
                 work.wait()
                 if b.wire_flat is not None:
-                    self.reduced(b, b.grad_flat).copy_(self.reduced(b, b.wire_flat))
+                    Shard.part(self.shard, b, b.grad_flat).copy_(Shard.part(self.shard, b, b.wire_flat))
             if self.want_norm:
                 self.bucket_norm(b)
         if self.shard is not None:
@@ -163,7 +159,8 @@ class GradReducer:
 
     def bucket_norm(self, b: Bucket) -> None:
         """Record the bucket's 2-norm (one read of its reduced gradients, one launch)."""
-        self.norms[b.index] = torch.linalg.vector_norm(self.reduced(b, b.grad_flat), dtype=arithmetic_dtype(b.dtype))
+        self.norms[b.index] = torch.linalg.vector_norm(Shard.part(self.shard, b, b.grad_flat),
+                                                       dtype=arithmetic_dtype(b.dtype))
         self._measured_at[b.index] = b.grad_flat._version
 
     def remeasure_changed_norms(self, every_bucket: bool = False) -> None:
@@ -218,7 +215,7 @@ class GradReducer:
         if self.want_norm:
             bad = [~torch.isfinite(n) for n in self.norms]
         else:
-            bad = [~torch.isfinite(self.reduced(b, b.grad_flat).sum(dtype=arithmetic_dtype(b.dtype)))
+            bad = [~torch.isfinite(Shard.part(self.shard, b, b.grad_flat).sum(dtype=arithmetic_dtype(b.dtype)))
                    for b in self.buckets]
         flag = torch.stack(bad).sum(dtype=torch.float32).reshape(1)
         dist.all_reduce(flag, group=self.group)

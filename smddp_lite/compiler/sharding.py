@@ -95,6 +95,12 @@ class Shard:
         lo, hi = self.bounds(b)
         return flat[lo:hi]
 
+    @staticmethod
+    def part(shard: "Shard | None", b: Bucket, flat: torch.Tensor) -> torch.Tensor:
+        """The part of a bucket-sized buffer a rank reduces and updates: all of it when unsharded
+        (``shard`` None), else its share."""
+        return flat if shard is None else shard.of(b, flat)
+
     def overlap(self, b: Bucket, i: int) -> tuple[int, int, int] | None:
         """(start in the parameter, start in the share, length) of the part of ``b``'s ``i``-th
         parameter that this share holds, or None."""
