@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import platform
+import resource
 import shlex
 import socket
 import sys
@@ -346,26 +347,35 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def process_cpu_s() -> float:
+    """CPU time of this process, every thread's (a transport's own threads do its work)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure(case, expected, job, group, iters):
-    """Time `iters` back-to-back calls, then verify one fresh call: (time_us, #wrong)."""
+    """Time `iters` back-to-back calls, then verify one fresh call: (time_us, #wrong, cpu_us),
+    cpu_us being the CPU time per call of the rank that used the most."""
     case.fill()  # uninitialised memory may hold NaNs/denormals that slow CPU reductions
     for _ in range(job.warmup):
         case.run()
     synchronize(job.device)
     dist.barrier(group=group)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), process_cpu_s()
     for _ in range(iters):
         case.run()
     synchronize(job.device)
     local_us = (time.perf_counter() - start) / iters * 1e6
+    local_cpu_us = (process_cpu_s() - cpu_start) / iters * 1e6
     time_us = group_reduce(local_us, dist.ReduceOp.MAX, torch.float64, job, group)  # slowest rank
+    cpu_us = group_reduce(local_cpu_us, dist.ReduceOp.MAX, torch.float64, job, group)
     if not job.check:
-        return time_us, None
+        return time_us, None, cpu_us
     case.fill()  # the timed loop overwrote in-place buffers
     case.run()
     synchronize(job.device)
     wrong = count_wrong(case.result, expected, job)
-    return time_us, int(group_reduce(wrong, dist.ReduceOp.SUM, torch.int64, job, group))
+    return time_us, int(group_reduce(wrong, dist.ReduceOp.SUM, torch.int64, job, group)), cpu_us
 
 
 def bus_factor(op, n):
@@ -379,10 +389,10 @@ def make_row(op, size, backend, results, job):
     row = {"op": op, "size": size, "count": size // job.dtype.itemsize, "type": job.type_name,
            "redop": job.redop if op in REDUCING_OPS else "none",
            "root": job.root if op in ROOTED_OPS else -1, "backend": backend, "iters": job.calls(size)}
-    for place, (time_us, wrong) in zip(PLACES, results):
+    for place, (time_us, wrong, cpu_us) in zip(PLACES, results):
         algbw = size / time_us / 1e3  # bytes/us -> GB/s
         row[place] = {"time_us": time_us, "algbw": algbw,
-                      "busbw": algbw * bus_factor(op, job.world), "wrong": wrong}
+                      "busbw": algbw * bus_factor(op, job.world), "wrong": wrong, "cpu_us": cpu_us}
     return row
 
 

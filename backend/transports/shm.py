@@ -43,7 +43,7 @@ class ShmTransport(Transport):
     name = "shm"
     capabilities = Capabilities(accumulates_low_precision=True, reduce_scatters_16_bit=frozenset(LOW_PRECISION),
                                 all_reduces_16_bit_avg=frozenset(LOW_PRECISION), runs_inline=True,
-                                checks_signatures=True)
+                                checks_signatures=True, takes_block_views=True)
 
     def __init__(self, store, rank: int, world_size: int, chunk_bytes: int, timeout, **shown) -> None:
         super().__init__(rank, world_size, **shown)
@@ -95,11 +95,11 @@ class ShmTransport(Transport):
         therefore a ``dest`` that no later source (index >= 2) aliases, else scratch memory.
         AVG comes only for 16-bit floats (all_reduces_16_bit_avg, reduce_scatters_16_bit).
         """
-        numel, dtype = sources[0].numel(), sources[0].dtype
+        numel, dtype, shape = sources[0].numel(), sources[0].dtype, sources[0].shape
         op, divide_by = as_sum(op, self.world_size)
         fn = COMBINE[op]
         if dtype in LOW_PRECISION and op in (RedOp.SUM, RedOp.PRODUCT):
-            acc = self._acc[:numel]
+            acc = self._acc[:numel].view(shape)
             acc.copy_(sources[0])
             for src in sources[1:]:
                 fn(acc, src, out=acc)  # float32 += 16-bit promotes per element: float32 accumulation
@@ -109,7 +109,7 @@ class ShmTransport(Transport):
             later = {s.data_ptr() for s in sources[2:]}
             acc = next((d for d in dest if d.data_ptr() not in later), None)
             if acc is None:
-                acc = self._scratch.view(dtype)[:numel]
+                acc = self._scratch.view(dtype)[:numel].view(shape)
             fn(sources[0], sources[1], out=acc)
             for src in sources[2:]:
                 fn(acc, src, out=acc)
@@ -169,29 +169,40 @@ class ShmTransport(Transport):
                 self._combine(sources, [x], op)
 
     def all_gather(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: str = "all_gather") -> None:
-        n = input.numel()
-        header = self._begin(call, op, input.dtype, n, 0)
-        for start, stop in self._steps(n, input.element_size()):
-            self.seg.slot(self.step, self.rank, input.dtype)[: stop - start].copy_(input[start:stop])
+        """``output`` flat, or a (world_size, rows, columns) view with ``input`` (rows, columns)
+        (``takes_block_views``); a step stages the same columns of every row."""
+        part = input.view(1, -1) if input.dim() == 1 else input
+        blocks = output if output.dim() == 3 else output.view(self.world_size, *part.shape)
+        rows, n = part.shape
+        header = self._begin(call, op, input.dtype, input.numel(), 0)
+        for start, stop in self._steps(n, input.element_size() * rows):
+            k = stop - start
+            self.seg.slot(self.step, self.rank, input.dtype)[: rows * k].view(rows, k).copy_(part[:, start:stop])
             self._sync(header if start == 0 else None)
             for q in range(self.world_size):
-                src = input[start:stop] if q == self.rank else self.seg.slot(self.step, q, input.dtype)[: stop - start]
-                output[q * n + start : q * n + stop].copy_(src)
+                staged = self.seg.slot(self.step, q, input.dtype)[: rows * k].view(rows, k)
+                blocks[q, :, start:stop].copy_(part[:, start:stop] if q == self.rank else staged)
 
     def reduce_scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
-        w, r, n = self.world_size, self.rank, output.numel()
-        header = self._begin(call, "reduce_scatter", input.dtype, n, int(op))
-        # a step stages one k-element piece of every peer's block: w * k elements per slot
-        for start, stop in self._steps(n, input.element_size() * w):
-            k = stop - start
+        """``input`` flat, or a (world_size, rows, columns) view with ``output`` (rows, columns)
+        (``takes_block_views``)."""
+        w, r = self.world_size, self.rank
+        mine_out = output.view(1, -1) if output.dim() == 1 else output
+        blocks = input if input.dim() == 3 else input.view(w, *mine_out.shape)
+        rows, n = mine_out.shape
+        header = self._begin(call, "reduce_scatter", input.dtype, output.numel(), int(op))
+        # a step stages k columns of every peer's block: w * rows * k elements per slot
+        for start, stop in self._steps(n, input.element_size() * w * rows):
+            piece = rows * (stop - start)
             mine = self.seg.slot(self.step, r, input.dtype)
             for q in range(w):
                 if q != r:
-                    mine[q * k : (q + 1) * k].copy_(input[q * n + start : q * n + stop])
+                    mine[q * piece : (q + 1) * piece].view(rows, -1).copy_(blocks[q, :, start:stop])
             self._sync(header if start == 0 else None)
-            sources = [input[r * n + start : r * n + stop] if p == r
-                       else self.seg.slot(self.step, p, input.dtype)[r * k : (r + 1) * k] for p in range(w)]
-            self._combine(sources, [output[start:stop]], op)
+            sources = [blocks[r, :, start:stop] if p == r
+                       else self.seg.slot(self.step, p, input.dtype)[r * piece : (r + 1) * piece].view(rows, -1)
+                       for p in range(w)]
+            self._combine(sources, [mine_out[:, start:stop]], op)
 
     def all_to_all(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         w, r, n = self.world_size, self.rank, input.numel() // self.world_size
