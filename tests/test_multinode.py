@@ -377,3 +377,45 @@ def test_auto_is_hierarchical_but_for_small_rounded_sums_and_small_broadcasts(wi
     for words in expected + ["all_gather of"]:
         assert any(words in line for line in routes), (words, routes)
     assert not any("all_gather" in line and "runs flat" in line for line in routes), routes
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
+@pytest.mark.parametrize("per_host", [1, 2])
+def test_a_rank_dying_on_another_host_is_named_by_the_gloo_transport(per_host):
+    """gloo shows a peer on another host only by its address. With one rank per host, that
+    address names the rank (every rank published its host's); with two, the dead rank's
+    host-mate sees which process ended and tells the other host's ranks through the store."""
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from benchmarks.multinode.cluster import SimCluster
+
+    from . import harness
+
+    world = 2 * per_host
+    with tempfile.TemporaryDirectory(prefix="smddp-test-") as tmp, SimCluster(2) as cluster:
+        # the store outlives the ranks, as torchrun's agent store does (rank 0 is done and gone
+        # before the other host's ranks finish)
+        cluster.spawn(0, [sys.executable, "-c", "import datetime, time, torch.distributed as dist; "
+                          "store = dist.TCPStore('0.0.0.0', 29500, is_master=True, wait_for_workers=False, "
+                          "timeout=datetime.timedelta(seconds=60)); time.sleep(120)"])
+        procs = []
+        for rank in range(world):
+            env = harness._base_env({"SMDDP_TRANSPORT": "gloo", "GLOO_SOCKET_IFNAME": "eth0", "RANK": str(rank),
+                                     "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_host),
+                                     "MASTER_ADDR": cluster.names[0], "MASTER_PORT": "29500",
+                                     "TORCHELASTIC_USE_AGENT_STORE": "True"})
+            procs.append(cluster.spawn(rank // per_host, [sys.executable, str(harness.WORKER), "tests.programs:peer_dies",
+                                                          "{}", tmp], env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + 120
+        outputs = [proc.communicate(timeout=max(1, deadline - time.monotonic()))[0] for proc in procs]
+        reports = {rank: json.loads(path.read_text()) for rank in range(world)
+                   if (path := Path(tmp) / f"rank{rank}.json").exists()}
+    assert procs[1].returncode == 3, outputs[1][-2000:]
+    for rank in set(range(world)) - {1}:
+        error = reports.get(rank, {}).get("value")
+        assert error is not None, outputs[rank][-3000:]
+        assert error["backend_error"] and "rank 1" in error["message"], (rank, error["message"])
+        assert error["seconds"] < 10, (rank, error)

@@ -18,6 +18,7 @@ from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum
 from ..scratch import DEFAULT_MAX_BYTES, Scratch
 from .base import Capabilities, Transport, overlap
 from .local_peers import LocalPeers
+from .peer_hosts import PeerHosts
 from .refusals import POLL, POLL_S, explained
 
 _TORCH_OP = {
@@ -62,9 +63,13 @@ class GlooTransport(Transport):
     def __init__(self, store, rank: int, world_size: int, timeout, scratch_max_bytes: int = DEFAULT_MAX_BYTES,
                  **shown) -> None:
         super().__init__(rank, world_size, **shown)
-        self._local_peers = LocalPeers(store, self.peers_shown[rank] if self.peers_shown else rank)
+        shown_rank = self.peers_shown[rank] if self.peers_shown else rank
+        self._local_peers = LocalPeers(store, shown_rank)
+        self._peer_hosts = PeerHosts(store, shown_rank)
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
-        self._local_peers.learn()  # every rank published before gloo's rendezvous let this one through
+        # every rank published before gloo's rendezvous let this one through
+        self._local_peers.learn()
+        self._peer_hosts.learn()
         # float32 working buffers of reduce_scatter's reduction (used only inside its finish(),
         # which a group runs one at a time, also when several reduce_scatters are in flight)
         self._scratch = Scratch(scratch_max_bytes)
@@ -97,12 +102,27 @@ class GlooTransport(Transport):
             said = self._news_of_failure(call, peer_left="by peer" in str(exc))
             if said is not None:
                 raise explained(said, self.where(call, op)) from exc
-            # Gloo's own text names the peer only by its socket address: a rank on this machine
-            # whose process ended is named (gloo may have aborted it: the hint says when)
-            dead = self._local_peers.dead()
-            named = f"{ranks_said(dead)} on this machine died (its process ended); " if dead else ""
-            hint = _PEER_GONE_HINT if "by peer" in str(exc) else ""
-            raise PeerFailureError(f"{self.where(call, op)} {named}gloo failed: {exc}{hint}") from exc
+            raise PeerFailureError(f"{self.where(call, op)} {self._peer_gone(call, str(exc))}gloo failed: "
+                                   f"{exc}{_PEER_GONE_HINT if 'by peer' in str(exc) else ''}") from exc
+
+    def _peer_gone(self, call: Call, error_text: str) -> str:
+        """Which rank gloo's error is about, for its message: gloo's own text names the peer only
+        by its socket address. A rank on this machine whose process ended is named (gloo may have
+        aborted it: the hint says when), and its death told to the group's ranks on other hosts,
+        whose own errors show only this host's address; else the ranks on the host whose address
+        the error shows."""
+        dead = self._local_peers.dead()
+        if dead:
+            if self.refusals is not None:
+                self.refusals.announce_failure(call.index, f"on its host, {ranks_said(dead)} died (its process ended)")
+            return f"{ranks_said(dead)} on this machine died (its process ended); "
+        if "by peer" not in error_text:
+            return ""
+        named = self._peer_hosts.named_in(error_text)
+        if named is None:
+            return ""
+        ranks, host = named
+        return f"{ranks_said(ranks)} on host {host} closed {'its' if len(ranks) == 1 else 'their'} connection; "
 
     def _news_of_failure(self, call: Call, peer_left: bool) -> str | None:
         """What the group's board says of why this rank's part of ``call`` failed; where a peer
@@ -113,8 +133,12 @@ class GlooTransport(Transport):
         deadline = time.monotonic() + (_NEWS_GRACE_S if peer_left else 0.0)
         while True:
             said = self.refusals.news(call.index)
-            if said is not None or time.monotonic() >= deadline or self._local_peers.dead():
+            if said is not None or time.monotonic() >= deadline:
                 return said
+            if self._local_peers.dead():
+                # a rank on this machine that heard of the failure first may have raised and
+                # ended while this one looked: the board, not its end, says what happened
+                return self.refusals.news(call.index)
             time.sleep(POLL_S)
 
     def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:

@@ -101,8 +101,9 @@ class RefusalBoard:
         self._step_compared = True  # whether that step's signature was compared already
         self.hears_failures = hears_failures
         """Whether waits also look for a failure announced in any call (announce_failure): one
-        more store round trip whenever NEWS_KEY moved, so only transports whose failures can stay
-        on one rank (MPI) turn it on."""
+        more store round trip whenever NEWS_KEY moved, so only transports whose failures some
+        ranks cannot see turn it on: MPI (an error can stay on one rank), gloo and the
+        hierarchical transport (a rank on another host sees a dead peer's host only by address)."""
 
     # the refusing rank ----------------------------------------------------------------------------
     def post(self, call: int, reason: str, learn_outcome: bool = True) -> str | None:

@@ -147,6 +147,7 @@ def create_transport(store, rank: int, world_size: int, global_ranks, timeout, c
     from .gloo import GlooTransport
 
     # gloo's and MPI's waits hear of a peer's refusal or different call only through the store
-    # (shared memory has flags of its own; the hierarchical transport makes one for its parts)
+    # (shared memory has flags of its own; the hierarchical transport makes one for its parts),
+    # and a rank on another host of a peer's death (gloo shows them only this host's address)
     return GlooTransport(store, rank, world_size, timeout, config.scratch_max_bytes,
-                         refusals=RefusalBoard(store, rank, world_size, timeout)), reason
+                         refusals=RefusalBoard(store, rank, world_size, timeout, hears_failures=True)), reason
