@@ -95,6 +95,11 @@ class Transport(abc.ABC):
             return f"{call.op} ({op} step{role})"
         return f"{call.op} ({self.role})" if self.role else call.op
 
+    def entering(self, call: Call) -> None:
+        """A call of the group begins on this rank. The part of a hierarchical transport inside a
+        host shows it to its host-mates (ShmTransport), so that one waiting for this rank while it
+        waits between hosts does not take it for the rank at fault."""
+
     @abc.abstractmethod
     def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None: ...
 

@@ -32,6 +32,7 @@ _TORCH_OP = {
 }
 
 
+_TIMED_OUT = "Timed out waiting"  # gloo's text when a pair's wait reaches the group's timeout
 _SLICE_ENDED = "Operation timed out!"  # what c10d's Work.wait(timeout) raises when the bound passes
 
 # Gloo aborts a rank that receives more bytes than it posted (ranks calling collectives of
@@ -116,6 +117,14 @@ class GlooTransport(Transport):
             if self.refusals is not None:
                 self.refusals.announce_failure(call.index, f"on its host, {ranks_said(dead)} died (its process ended)")
             return f"{ranks_said(dead)} on this machine died (its process ended); "
+        if _TIMED_OUT in error_text and self.world_size == 2:  # gloo's timeout names no peer; two ranks have one
+            other = 1 - self.rank
+            said = (f"rank {self.peers_shown[other] if self.peers_shown else other} did not do its part "
+                    f"{self.role + ' ' if self.role else ''}within the process group timeout (it may be stopped, "
+                    "stuck, or waiting for another rank)")
+            if self.refusals is not None:
+                self.refusals.announce_failure(call.index, said)
+            return said + "; "
         if "by peer" not in error_text:
             return ""
         named = self._peer_hosts.named_in(error_text)

@@ -46,6 +46,7 @@ are summed in float32, and with a wire dtype set a float32 SUM crosses in it, as
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Callable
@@ -60,6 +61,19 @@ from .gloo import GlooTransport
 from .refusals import RefusalBoard
 
 log = logging.getLogger("smddp_lite")
+
+
+def _shown_to_host(op: Callable) -> Callable:
+    """A collective that first shows this rank's host-mates which call it is in (Transport.entering):
+    a host-mate that times out waiting for it while it waits between hosts then knows it is not
+    the rank at fault, and looks for what the ranks between hosts found."""
+
+    @functools.wraps(op)
+    def entered(self, call: Call, *args, **kwargs):
+        self.intra.entering(call)
+        return op(self, call, *args, **kwargs)
+
+    return entered
 
 
 class Topology:
@@ -151,6 +165,7 @@ class HierarchicalTransport(Transport):
         return use
 
     # all_reduce ---------------------------------------------------------------------------------
+    @_shown_to_host
     def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:
         if not self._hierarchical("all_reduce", tensor.numel() * tensor.element_size(), tensor.dtype):
             return self._flat_all_reduce(call, tensor, op)
@@ -277,6 +292,7 @@ class HierarchicalTransport(Transport):
             self.flat.all_reduce(call, tensor, op)
 
     # all_gather / reduce_scatter -----------------------------------------------------------------
+    @_shown_to_host
     def all_gather(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         if not self._hierarchical("all_gather", output.numel() * output.element_size()):
             return self.flat.all_gather(call, output, input)
@@ -334,6 +350,7 @@ class HierarchicalTransport(Transport):
         for position, rank in enumerate(self.by_local_index[: grouped.shape[0]]):
             rows[rank].copy_(grouped[position])
 
+    @_shown_to_host
     def reduce_scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         # AVG (16-bit only: reduce_scatters_16_bit) is a SUM whose last, float32 step divides
         # before rounding; each host's sum (float16: mean) is rounded once on the way, as in a SUM
@@ -376,6 +393,7 @@ class HierarchicalTransport(Transport):
         return host_sums
 
     # broadcast -----------------------------------------------------------------------------------
+    @_shown_to_host
     def broadcast(self, call: Call, tensor: torch.Tensor, root: int) -> None:
         """The root's host shares the tensor in shared memory, then each of its L ranks sends its
         1/L of it to the ranks of its local index on the other hosts, and each other host
@@ -460,6 +478,7 @@ class HierarchicalTransport(Transport):
             chunk.copy_(whole[: chunk.numel()])
 
     # barrier -------------------------------------------------------------------------------------
+    @_shown_to_host
     def barrier(self, call: Call) -> None:
         """Inside the host, then between hosts among each host's first rank, then inside the host
         again: once the first ranks have met, every rank of every host has entered, and the second
@@ -474,6 +493,7 @@ class HierarchicalTransport(Transport):
 
     # the rest is flat ----------------------------------------------------------------------------
 
+    @_shown_to_host
     def reduce(self, call: Call, tensor: torch.Tensor, root: int, op: RedOp) -> None:
         if tensor.dtype in LOW_PRECISION:
             wide = tensor.float()
@@ -483,16 +503,20 @@ class HierarchicalTransport(Transport):
         else:
             self.flat.reduce(call, tensor, root, op)
 
+    @_shown_to_host
     def all_to_all(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> None:
         self.flat.all_to_all(call, output, input)
 
+    @_shown_to_host
     def all_to_all_v(self, call: Call, output: torch.Tensor, input: torch.Tensor, sends: list[list[int]]) -> None:
         self.flat.all_to_all_v(call, output, input, sends)
 
     # gloo's own gather and scatter: only the root receives, or each rank its block
+    @_shown_to_host
     def gather(self, call: Call, output: torch.Tensor | None, input: torch.Tensor, root: int) -> None:
         self.flat.gather(call, output, input, root)
 
+    @_shown_to_host
     def scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
         self.flat.scatter(call, output, input, root)
 

@@ -127,9 +127,11 @@ class MPITransport(Transport):
                                            "process ended) while this rank waited for it in the MPI call")
                 next_check = now + POLL_S
             if waited > self.timeout_s:
+                # MPI names no peer; a group of two ranks has one
+                peer = f"rank {1 - self.rank}" if self.world_size == 2 else "a peer"
                 raise PeerFailureError(
                     f"{self.where(call, op)} MPI collective did not complete within "
-                    f"the process group timeout ({self.timeout_s:g} s); a peer may be stuck or "
+                    f"the process group timeout ({self.timeout_s:g} s); {peer} may be stopped, stuck or "
                     "calling a different collective"
                 )
 

@@ -293,6 +293,9 @@ class ShmTransport(Transport):
     def barrier(self, call: Call) -> None:
         self._sync(self._begin(call, "barrier", None, 0, 0))
 
+    def entering(self, call: Call) -> None:
+        self.seg.publish_call(call.index)
+
     def reject(self, call_index: int, reason: str, learn_outcome: bool = True) -> None:
         # peers that leave the call mark the segment broken, which this rank's next call sees
         self.seg.reject(call_index, reason)

@@ -38,7 +38,8 @@ HEADER = 4  # two headers of 10 fields: the op's seq, call index, op code, dtype
 # and the user's call (its signature: op, dtype, numel, arg) where the op is a step of it, else 0s
 HEADER_FIELDS = ("seq", "call", "op", "dtype", "numel", "arg", "call_op", "call_dtype", "call_numel", "call_arg")
 _CALL_FIELDS = slice(6, 10)
-CONTROL_WORDS = 24
+CALL = HEADER + 2 * len(HEADER_FIELDS)  # the process-group call the rank is inside (entering)
+CONTROL_WORDS = CALL + 1
 REASON_BYTES = 512
 # Poll with sched_yield this long, then sleep. Peers of a small collective arrive within tens of
 # microseconds; a longer wait means a peer still computing or waiting on the network, and there a
@@ -48,6 +49,10 @@ REASON_BYTES = 512
 _YIELD_FOR_S = 0.0002
 _SLEEP_S = 100e-6  # then poll every 0.1 ms: long waits are a peer still computing
 _CHECK_EVERY_S = 0.05  # how often a waiting rank looks for dead or aborted peers
+# How long past the timeout a rank waits for the group's board when the peer it waits for is
+# inside the same call, waiting between hosts (hierarchical): that peer's own error names the
+# rank it waited for; this one's could name only the host-mate
+_BOARD_GRACE_S = 1.0
 
 
 def _align(n: int, to: int = 4096) -> int:
@@ -73,6 +78,7 @@ class ShmSegment:
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.control[rank, PID] = os.getpid()
         self.control[rank, REJECTED] = -1
+        self.control[rank, CALL] = -1
         self.phase = 0
         self.op_shown = "init"  # the op this rank is in, as messages name it (entering)
         # the rank that maps last removes the segment's name: rank 0 may be gone by then (killed
@@ -207,7 +213,18 @@ class ShmSegment:
         if pid and not alive(pid):
             self._fail_telling_others(f"rank {self._shown(waiting_for)} (pid {pid}) died")
         if waited_s > self.timeout_s:
-            self._fail(
+            inside = int(self.control[waiting_for, CALL]) == self.current_call >= 0
+            if inside and self.refused is not None:
+                # the peer is in this call too, waiting on the ranks of other hosts: its wait
+                # there ends about now, and what it found goes on the group's board, read above
+                if waited_s <= self.timeout_s + _BOARD_GRACE_S:
+                    return
+                self._fail(
+                    f"rank {self._shown(waiting_for)} is in this call too but did not reach this step of it within "
+                    f"the process group timeout ({self.timeout_s:g} s): it waits for ranks on other hosts, whose "
+                    "errors say which"
+                )
+            self._fail_telling_others(
                 f"rank {self._shown(waiting_for)} did not arrive within the process group timeout "
                 f"({self.timeout_s:g} s); it may be stuck or calling a different collective"
             )
@@ -250,6 +267,12 @@ class ShmSegment:
     def entering(self, call: int, op_shown: str) -> None:
         """This rank enters process-group call ``call``, which its messages name ``op_shown``."""
         self.current_call, self.op_shown = call, op_shown
+        self.publish_call(call)
+
+    def publish_call(self, call: int) -> None:
+        """Show peers that this rank is inside process-group call ``call`` (perhaps waiting
+        elsewhere: between hosts, in a hierarchical transport)."""
+        self.control[self.rank, CALL] = call
 
     def reject(self, call: int, reason: str) -> None:
         """This rank refused process-group call ``call`` before entering it; peers waiting in that
