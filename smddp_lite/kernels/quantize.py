@@ -1,0 +1,200 @@
+"""Blockwise 8-bit quantization for a compressed wire: int8, float8 e4m3fn and float8 e5m2.
+
+A float32 message is cut into blocks of ``block`` elements (a power of two; the last block may
+be short). Each block travels as its 8-bit values and one float32 scale, the block's largest
+magnitude over the format's largest value, so each block uses the format's whole range whatever
+the magnitudes elsewhere in the message (a gradient's layers differ by orders of magnitude).
+``quantize`` makes them; ``dequantize_add`` adds a received block into a float32 accumulator,
+where sums are taken in float32 and rounded once, as the 16-bit wire's are.
+
+Every value is rounded to the nearest point of the format's grid, ties to even (torch's own
+casts). For a block whose largest magnitude is ``a``, with scale ``s = a / QMAX``, the error of
+one element ``x`` is at most (``error_bound``):
+
+- int8 (QMAX 127): ``s / 2``;
+- float8 e4m3fn (QMAX 448, 3 mantissa bits): ``max(|x| 2**-4, s 2**-10)``;
+- float8 e5m2 (QMAX 57344, 2 mantissa bits): ``max(|x| 2**-3, s 2**-17)``.
+
+A block holding inf or nan gets a NaN scale and zero values: everything it dequantizes to is
+NaN, so a sum that takes it in is non-finite where it lands, as an unquantized sum would be, and
+GradScaler's check of the result still sees it. Other blocks are unaffected.
+
+The Triton kernels round in float32 arithmetic on the grid and then cast exactly, rather than
+relying on the float32-to-float8 cast: Triton's interpreter (how CI runs them) rounds values that
+carry into the next power of two down a whole binade (31.45 became 16, not 32, in e4m3fn).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._launch import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference path needs no Triton
+    triton = None
+
+# format: (largest value, mantissa bits, smallest normal exponent); int8 is a grid of integers
+FORMATS = {
+    torch.int8: (127.0, 0, 0),
+    torch.float8_e4m3fn: (448.0, 3, -6),
+    torch.float8_e5m2: (57344.0, 2, -14),
+}
+MIN_BLOCK, MAX_BLOCK = 16, 1 << 16
+
+
+def check_format(dtype: torch.dtype, block: int) -> None:
+    """Refuse a wire dtype or block size the quantizer does not take, saying what it takes."""
+    if dtype not in FORMATS:
+        names = ", ".join(str(d).replace("torch.", "") for d in FORMATS)
+        raise ValueError(f"8-bit wire: {dtype} is not a quantized wire dtype; use one of {names}")
+    if not isinstance(block, int) or isinstance(block, bool) or block < MIN_BLOCK or block > MAX_BLOCK \
+            or block & (block - 1):
+        raise ValueError(f"8-bit wire: the block size must be a power of two from {MIN_BLOCK} to {MAX_BLOCK} "
+                         f"elements (one float32 scale travels per block); found {block!r}")
+
+
+def blocks_of(n: int, block: int) -> int:
+    """How many scales a message of ``n`` elements carries."""
+    return -(-n // block)
+
+
+def _check_message(name: str, x: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    if x.dim() != 1 or not x.is_contiguous() or (dtype is not None and x.dtype != dtype):
+        want = f"{str(dtype).replace('torch.', '')} " if dtype is not None else ""
+        raise ValueError(f"{name} must be a flat contiguous {want}tensor; found shape {tuple(x.shape)} "
+                         f"{x.dtype} (contiguous={x.is_contiguous()})")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _to_grid(y, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+        """y rounded to the format's grid, ties to even, in float32 (exact: the grid is float32's)."""
+        if MANTISSA == 0:  # int8: the integers
+            return _nearest_even(y)
+        # the spacing of the grid at |y|: 2**(exponent - mantissa bits); subnormals, below the
+        # smallest normal exponent, share its spacing
+        exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        unit = ((tl.maximum(exponent, MIN_EXP) - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+        return _nearest_even(y / unit) * unit
+
+    @triton.jit
+    def _nearest_even(r):
+        down = tl.floor(r)
+        frac = r - down
+        odd = (down - 2.0 * tl.floor(down * 0.5)) != 0.0
+        return tl.where((frac > 0.5) | ((frac == 0.5) & odd), down + 1.0, down)
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, q_ptr, scale_ptr, n, QMAX: tl.constexpr, MANTISSA: tl.constexpr,
+                         MIN_EXP: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        finite = tl.abs(x) < float("inf")  # nan < inf is False too
+        bad = tl.max(tl.where(finite, 0, 1), axis=0)
+        x = tl.where(finite, x, 0.0)  # the block is sent as zeros with a NaN scale
+        largest = tl.max(tl.abs(x), axis=0)
+        inverse = tl.where(largest > 0, QMAX / tl.where(largest > 0, largest, 1.0), 0.0)
+        q = _to_grid(x * inverse, MANTISSA, MIN_EXP)
+        q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+        q = tl.where(bad != 0, 0.0, q)
+        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + pid, tl.where(bad != 0, float("nan"), largest / QMAX))
+
+    @triton.jit
+    def _dequantize_add_kernel(acc_ptr, q_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        scale = tl.load(scale_ptr + pid)
+        q = tl.load(q_ptr + offs, mask=mask).to(tl.float32)  # lanes past n are never stored
+        acc = tl.load(acc_ptr + offs, mask=mask)
+        tl.store(acc_ptr + offs, acc + q * scale, mask=mask)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, block: int, *, force_triton: bool | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (flat float32) as ``dtype`` values and one float32 scale per ``block`` elements.
+
+    force_triton: None picks the Triton kernel on CUDA and the reference on the CPU; True forces
+    the kernel (tests run it on CPU tensors under TRITON_INTERPRET=1), False the reference.
+    """
+    check_format(dtype, block)
+    _check_message("quantize: x", x, torch.float32)
+    q = torch.empty(x.numel(), dtype=dtype, device=x.device)
+    scales = torch.empty(blocks_of(x.numel(), block), dtype=torch.float32, device=x.device)
+    if not use_triton(x.device, force_triton, x.dtype):
+        quantize_reference(x, q, scales, block)
+        return q, scales
+    if triton is None:
+        raise ImportError("quantize: Triton is not installed; pip install triton")
+    if x.numel():
+        qmax, mantissa, min_exp = FORMATS[dtype]
+        _quantize_kernel[(scales.numel(),)](x, q, scales, x.numel(), QMAX=qmax, MANTISSA=mantissa,
+                                            MIN_EXP=min_exp, BLOCK=block)
+    return q, scales
+
+
+def quantize_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    """The same quantization in plain torch ops (the CPU path and the kernel's oracle)."""
+    qmax = FORMATS[q.dtype][0]
+    n = x.numel()
+    padded = torch.zeros(scales.numel() * block, dtype=torch.float32, device=x.device)
+    padded[:n] = x
+    blocks = padded.view(-1, block)
+    magnitude = blocks.abs()
+    finite = magnitude < float("inf")
+    largest = torch.where(finite, magnitude, 0.0).amax(dim=1, keepdim=True)
+    bad = ~finite.all(dim=1, keepdim=True)
+    inverse = torch.where(largest > 0, qmax / largest, 0.0)
+    y = blocks * inverse
+    if q.dtype == torch.int8:
+        values = y.round().clamp(-qmax, qmax)  # torch.round: ties to even
+    else:
+        values = y.clamp(-qmax, qmax)  # the cast below rounds to the grid, ties to even
+    values = torch.where(bad, 0.0, values)
+    q.copy_(values.reshape(-1)[:n].to(q.dtype))
+    scales.copy_(torch.where(bad, float("nan"), largest / qmax).view(-1))
+
+
+def dequantize_add(acc: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int, *,
+                   force_triton: bool | None = None) -> None:
+    """``acc += q * scale`` per block, in float32: where a quantized message's pieces are summed."""
+    check_format(q.dtype, block)
+    _check_message("dequantize_add: acc", acc, torch.float32)
+    _check_message("dequantize_add: q", q)
+    if q.numel() != acc.numel() or scales.numel() != blocks_of(acc.numel(), block) or scales.dtype != torch.float32:
+        raise ValueError(f"dequantize_add: {acc.numel()} accumulator elements take {acc.numel()} values and "
+                         f"{blocks_of(acc.numel(), block)} float32 scales of blocks of {block}; found {q.numel()} "
+                         f"values and {scales.numel()} {scales.dtype} scales")
+    if not use_triton(acc.device, force_triton, acc.dtype):
+        dequantize_add_reference(acc, q, scales, block)
+        return
+    if triton is None:
+        raise ImportError("dequantize_add: Triton is not installed; pip install triton")
+    if acc.numel():
+        _dequantize_add_kernel[(scales.numel(),)](acc, q, scales, acc.numel(), BLOCK=block)
+
+
+def dequantize_add_reference(acc: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    full = acc.numel() // block * block
+    if full:
+        acc[:full].view(-1, block).add_(q[:full].view(-1, block).float() * scales[: full // block, None])
+    if full < acc.numel():  # the short last block
+        acc[full:].add_(q[full:].float() * scales[-1])
+
+
+def error_bound(x: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int) -> torch.Tensor:
+    """The most each element of ``x`` may be off after ``quantize`` and dequantization (float32)."""
+    qmax, mantissa, min_exp = FORMATS[dtype]
+    per_element = scales.repeat_interleave(block)[: x.numel()]
+    if mantissa == 0:
+        return per_element / 2
+    # half the grid's spacing: relative above the smallest normal, absolute (in units of the
+    # scale) among the subnormals
+    return torch.maximum(x.abs() * 2.0 ** -(mantissa + 1), per_element * 2.0 ** (min_exp - mantissa - 1))

@@ -1,0 +1,102 @@
+"""The 8-bit wire's blockwise quantizer (smddp_lite/kernels/quantize.py): the Triton kernels
+against the torch reference, bit for bit, and the reference against the error bound the module
+states, on irregular sizes, blocks of very different magnitudes, zero, constant and non-finite
+blocks. Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from smddp_lite.kernels import dequantize_add, quantize
+from smddp_lite.kernels.quantize import FORMATS, blocks_of, error_bound
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+WIRES = list(FORMATS)
+IDS = [str(d).replace("torch.", "") for d in WIRES]
+
+
+def _message(n: int, block: int, seed: int) -> torch.Tensor:
+    """Normal values whose blocks' magnitudes span 1e-6 to 1e4 (gradients' layers differ so),
+    with a few values among each format's subnormals."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen)
+    magnitudes = 10.0 ** torch.randint(-6, 5, (blocks_of(n, block),), generator=gen).float()
+    return (x * magnitudes.repeat_interleave(block)[:n]).to(DEVICE)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.mark.parametrize("dtype", WIRES, ids=IDS)
+@pytest.mark.parametrize("n, block", [(1, 16), (1000, 16), (4099, 256), (70000, 4096)])
+def test_the_kernels_match_the_reference_bit_for_bit(dtype, n, block):
+    x = _message(n, block, seed=n)
+    q_kernel, s_kernel = quantize(x, dtype, block, force_triton=True)
+    q_ref, s_ref = quantize(x, dtype, block, force_triton=False)
+    assert torch.equal(_bits(q_kernel), _bits(q_ref)), (_bits(q_kernel) != _bits(q_ref)).sum()
+    assert torch.equal(s_kernel, s_ref)
+    acc_kernel = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    acc_ref = acc_kernel.clone()
+    dequantize_add(acc_kernel, q_ref, s_ref, block, force_triton=True)
+    dequantize_add(acc_ref, q_ref, s_ref, block, force_triton=False)
+    # the kernel's multiply-add may be one fused operation on a GPU; in the interpreter it is not
+    assert torch.allclose(acc_kernel, acc_ref, rtol=1e-6, atol=0) if DEVICE == "cuda" else torch.equal(
+        acc_kernel, acc_ref)
+
+
+@pytest.mark.parametrize("dtype", WIRES, ids=IDS)
+@pytest.mark.parametrize("n, block", [(4099, 16), (70000, 1024)])
+def test_every_element_is_within_the_stated_bound_and_the_bound_is_tight(dtype, n, block):
+    x = _message(n, block, seed=7)
+    q, scales = quantize(x, dtype, block)
+    back = torch.zeros_like(x)
+    dequantize_add(back, q, scales, block)
+    error, bound = (back - x).abs(), error_bound(x, scales, dtype, block)
+    # float32's own roundings (x times the inverse scale, q times the scale) add a few ulps of x
+    assert (error <= bound * (1 + 1e-5) + x.abs() * 2e-7).all(), (error / bound).max()
+    assert (error > 0.5 * bound).any(), "the bound is far from the error seen: it says little"
+    # every block uses the format's whole range: its largest value maps to the largest code
+    largest = x.abs().reshape(-1)[: n // block * block].view(-1, block).amax(1)
+    assert torch.allclose(scales[: n // block] * FORMATS[dtype][0], largest, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", WIRES, ids=IDS)
+@pytest.mark.parametrize("force_triton", [True, False], ids=["kernel", "reference"])
+def test_zero_constant_and_non_finite_blocks(dtype, force_triton):
+    block = 16
+    x = torch.cat([torch.zeros(block), torch.full((block,), -3.25), torch.randn(block),
+                   torch.randn(block), torch.randn(block), torch.ones(5)]).to(DEVICE)
+    x[2 * block + 3] = float("inf")
+    x[3 * block + 9] = float("nan")
+    q, scales = quantize(x, dtype, block, force_triton=force_triton)
+    assert scales[0] == 0 and not _bits(q[:block]).any(), "a zero block: scale 0, values 0"
+    back = torch.zeros_like(x)
+    dequantize_add(back, q, scales, block, force_triton=force_triton)
+    assert torch.equal(back[:block], x[:block])
+    assert torch.allclose(back[block : 2 * block], x[block : 2 * block], rtol=1e-6), "a constant block"
+    # inf and nan: their blocks become NaN scales (all NaN where they land), the others are kept
+    assert scales[2].isnan() and scales[3].isnan() and not scales[[0, 1, 4, 5]].isnan().any()
+    assert back[2 * block : 4 * block].isnan().all() and back[4 * block :].isfinite().all()
+    assert torch.allclose(back[4 * block :], x[4 * block :], rtol=0.13, atol=error_bound(
+        x[4 * block :], scales[4:], dtype, block).max().item())
+
+
+@pytest.mark.parametrize("block, says", [(100, "power of two"), (8, "from 16"), (1 << 17, "to 65536"),
+                                         (16.0, "power of two")])
+def test_a_bad_block_size_is_refused_saying_what_is_taken(block, says):
+    with pytest.raises(ValueError, match=says):
+        quantize(torch.ones(64, device=DEVICE), torch.int8, block)
+
+
+def test_a_wire_dtype_that_is_not_8_bit_is_refused_naming_those_that_are():
+    with pytest.raises(ValueError, match="int8, float8_e4m3fn, float8_e5m2"):
+        quantize(torch.ones(64, device=DEVICE), torch.bfloat16, 64)
+    with pytest.raises(ValueError, match="float32"):
+        quantize(torch.ones(64, dtype=torch.float16, device=DEVICE), torch.int8, 64)
+    with pytest.raises(ValueError, match="1 float32 scales"):
+        dequantize_add(torch.zeros(64, device=DEVICE), torch.zeros(64, dtype=torch.int8, device=DEVICE),
+                       torch.zeros(2, device=DEVICE), 64)
