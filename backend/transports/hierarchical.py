@@ -61,6 +61,8 @@ from .gloo import GlooTransport
 from .refusals import RefusalBoard
 
 log = logging.getLogger("smddp_lite")
+# inter_node_wire_dtype values sent blockwise quantized, with a float32 scale per block
+QUANTIZED_WIRES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _shown_to_host(op: Callable) -> Callable:
@@ -121,6 +123,7 @@ class HierarchicalTransport(Transport):
         self.chunk_bytes = config.hierarchical_chunk_bytes
         self.always = config.algorithm == "hierarchical"
         self.wire = getattr(torch, config.inter_node_wire_dtype) if config.inter_node_wire_dtype else None
+        self.wire_block = config.inter_node_wire_block  # elements per scale of an 8-bit wire
         self.exact_16bit_sums = config.inter_node_accumulate == "float32"
         self.debug = config.debug
         # the parts' errors name the rank the user knows, not the part's, and shm's messages name
@@ -226,6 +229,8 @@ class HierarchicalTransport(Transport):
             # gloo's ring would round the sum before the division could happen; the exchange of
             # _start_compressed_sum sums in float32 on one rank per slice, which can divide first
             return self._start_compressed_sum(call, shard, shard.dtype, divide_by)
+        if op is RedOp.SUM and shard.dtype == torch.float32 and wire in QUANTIZED_WIRES:
+            return self._start_quantized_sum(call, shard, wire)
         if op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
             if self.nodes > 2 and self.exact_16bit_sums:
                 return self._start_compressed_sum(call, shard, wire)
@@ -248,6 +253,39 @@ class HierarchicalTransport(Transport):
             if on_wire is not shard:  # widened for gloo: back to the caller's dtype
                 shard.copy_(on_wire)
             return shard
+
+        return finish
+
+    def _start_quantized_sum(self, call: Call, shard: torch.Tensor, wire: torch.dtype) -> Callable[[], torch.Tensor]:
+        """Sum float32 ``shard`` across hosts with 8-bit values on the network: as
+        _start_compressed_sum, but each slice travels blockwise quantized (kernels/quantize.py),
+        its float32 scales beside it. Each host's values are quantized once, summed in float32
+        where they land, and the sums come back quantized once: two roundings, whatever the
+        number of hosts, where a ring would round on every hop."""
+        from smddp_lite.kernels.quantize import blocks_of, dequantize_add, quantize
+
+        N, s, block = self.nodes, shard.numel(), self.wire_block
+        sub = blocks_of(blocks_of(s, N), block) * block  # each host's slice: whole blocks
+        per_slice = sub // block
+        send = shard if N * sub == s else torch.cat([shard, shard.new_zeros(N * sub - s)])
+        values, scales = quantize(send, wire, block)
+        got_values, got_scales = torch.empty_like(values), torch.empty_like(scales)
+        moved = [self.inter.all_to_all_async(call, got_values.view(torch.uint8), values.view(torch.uint8)),
+                 self.inter.all_to_all_async(call, got_scales, scales)]  # block q: host q's part of my slice
+
+        def finish() -> torch.Tensor:
+            for wait in moved:
+                wait()
+            total = torch.zeros(sub, dtype=torch.float32)
+            for q in range(N):  # in host order, as every rank's slice is: the same bits everywhere
+                dequantize_add(total, got_values[q * sub : (q + 1) * sub], got_scales[q * per_slice : (q + 1) * per_slice],
+                               block)
+            mine, my_scales = quantize(total, wire, block)
+            self.inter.all_gather(call, values.view(torch.uint8), mine.view(torch.uint8))
+            self.inter.all_gather(call, scales, my_scales)
+            summed = torch.zeros(N * sub, dtype=torch.float32)
+            dequantize_add(summed, values, scales, block)
+            return summed[:s]
 
         return finish
 
@@ -388,7 +426,7 @@ class HierarchicalTransport(Transport):
         first, and the same result: every 16-bit value is exact in float32). A float32 SUM
         travels in ``SMDDP_INTER_NODE_WIRE_DTYPE`` when that is set: each host's sum rounded once,
         as in the all_reduce's inter-host step."""
-        if host_sums.dtype is torch.float32 and op is RedOp.SUM and self.wire is not None:
+        if host_sums.dtype is torch.float32 and op is RedOp.SUM and self.wire in LOW_PRECISION:
             return host_sums.to(self.wire)
         return host_sums
 

@@ -22,6 +22,7 @@ SHARED = {
     "hierarchical_min_bytes": "SMDDP_HIERARCHICAL_MIN_BYTES",
     "hierarchical_chunk_bytes": "SMDDP_HIERARCHICAL_CHUNK_BYTES",
     "inter_node_wire_dtype": "SMDDP_INTER_NODE_WIRE_DTYPE",
+    "inter_node_wire_block": "SMDDP_INTER_NODE_WIRE_BLOCK",
     "inter_node_accumulate": "SMDDP_INTER_NODE_ACCUMULATE",
     "shm_chunk_bytes": "SMDDP_SHM_CHUNK_BYTES",
     "cuda_transport": "SMDDP_CUDA_TRANSPORT",

@@ -1,0 +1,85 @@
+"""The 8-bit wire between hosts (SMDDP_INTER_NODE_WIRE_DTYPE=int8, float8_e4m3fn, float8_e5m2):
+the hierarchical all_reduce on 2 x 2 and 3 x 2 simulated hosts against the exact sum, within
+the bound two quantizations allow, the same bits on every rank; and bad settings refused."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from smddp_lite.config import BackendConfig
+from smddp_lite.kernels.quantize import FORMATS
+
+from . import harness
+
+
+def _inputs(rank: int, numel: int) -> torch.Tensor:
+    """Rank ``rank``'s tensor (every rank can make anyone's): normal values whose magnitudes
+    span 1e-3 to 1e3 along the tensor, as a gradient's layers do."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    return x * 10.0 ** torch.linspace(-3, 3, numel)
+
+
+def quantized_all_reduce(numel: int, per_host: int) -> dict:
+    """all_reduce of _inputs; returns the largest error against the exact sum, the largest
+    magnitude of a host's sum (what the error bound scales with) and a digest of the result."""
+    import torch.distributed as dist
+
+    import smddp_lite
+
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    got = _inputs(rank, numel)
+    dist.all_reduce(got)
+    everyone = [_inputs(r, numel).double() for r in range(world)]
+    hosts = [sum(everyone[h * per_host : (h + 1) * per_host]) for h in range(world // per_host)]
+    exact = sum(everyone)
+    report = {"max_error": float((got.double() - exact).abs().max()), "host_sum_max": float(max(h.abs().max() for h in hosts)),
+              "digest": hashlib.sha1(got.numpy().tobytes()).hexdigest()}
+    dist.destroy_process_group()
+    return report
+
+
+def _bound(wire: torch.dtype, hosts: int, largest: float) -> float:
+    """What two quantizations may cost an element: each host's sum quantized once, and their
+    float32 sum once more (it is at most ``hosts`` x the largest host sum). A block's scale is
+    at most the largest magnitude over the format's largest value (kernels/quantize.py)."""
+    qmax, mantissa, min_exp = FORMATS[wire]
+    total = hosts * largest
+    if mantissa == 0:  # int8: half a step of each block's scale
+        return (hosts * largest + total) / qmax / 2
+    relative, subnormal = 2.0 ** -(mantissa + 1), 2.0 ** (min_exp - mantissa - 1) / qmax
+    return (hosts * largest + total) * (relative + subnormal)
+
+
+@pytest.mark.parametrize("wire, world", [("int8", 4), ("float8_e4m3fn", 4), ("float8_e5m2", 4), ("int8", 6)])
+def test_the_8_bit_all_reduce_between_hosts_is_within_its_bound_and_the_same_on_every_rank(wire, world):
+    numel = 100_003  # odd: a short last block and uneven slices between hosts
+    env = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_INTER_NODE_WIRE_DTYPE": wire}
+    reports = harness.values(harness.launch(f"{__name__}:quantized_all_reduce", world, env=env, hosts_of=2,
+                                            numel=numel, per_host=2))
+    hosts = world // 2
+    bound = _bound(getattr(torch, wire), hosts, reports[0]["host_sum_max"])
+    assert len({r["digest"] for r in reports}) == 1, "ranks hold different sums"
+    error = reports[0]["max_error"]
+    assert error <= bound * (1 + 1e-5), (error, bound)
+    # it was quantized (the error is no float32 rounding), and the bound is not empty words
+    assert error > bound / 64, (error, bound)
+
+
+def test_without_the_setting_the_sum_is_float32s():
+    reports = harness.values(harness.launch(f"{__name__}:quantized_all_reduce", 4, env={"SMDDP_ALGORITHM": "hierarchical"},
+                                            hosts_of=2, numel=100_003, per_host=2))
+    assert reports[0]["max_error"] <= 4 * reports[0]["host_sum_max"] * 2.0 ** -22
+
+
+@pytest.mark.parametrize("settings, says", [
+    (dict(inter_node_wire_dtype="int4"), "expected one of bfloat16, float16, int8, float8_e4m3fn, float8_e5m2"),
+    (dict(inter_node_wire_dtype="int8", inter_node_wire_block=100), "power of two from 16 to 65536"),
+    (dict(inter_node_wire_block=8), "SMDDP_INTER_NODE_WIRE_BLOCK=8"),
+])
+def test_bad_wire_settings_are_refused_saying_what_is_taken(settings, says):
+    with pytest.raises(ValueError, match=says):
+        BackendConfig(**settings)
