@@ -35,6 +35,8 @@ VARIANTS = {  # name: (ddp_throughput --variant, extra arguments, environment)
     "smddp-flat": ("smddp", [], {"SMDDP_ALGORITHM": "flat"}),
     "smddp-hier": ("smddp", [], {"SMDDP_ALGORITHM": "auto"}),
     "smddp-hier-bf16": ("smddp", [], {"SMDDP_ALGORITHM": "auto", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}),
+    # float32 sums between hosts blockwise in int8 (a float32 scale per 256 values), summed in float32
+    "smddp-hier-int8": ("smddp", [], {"SMDDP_ALGORITHM": "auto", "SMDDP_INTER_NODE_WIRE_DTYPE": "int8"}),
     # the same without the per-call check that ranks made the same call (on by default): its cost
     "smddp-hier-bf16-unchecked": ("smddp", [], {"SMDDP_ALGORITHM": "auto", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16",
                                                 "SMDDP_CHECK_COLLECTIVES": "0"}),

@@ -141,24 +141,28 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, block: int, *, force_triton: b
 
 
 def quantize_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int) -> None:
-    """The same quantization in plain torch ops (the CPU path and the kernel's oracle)."""
+    """The same quantization in plain torch ops (the CPU path and the kernel's oracle). Few
+    passes, each in place where it can be: a fresh 10 MB tensor per op cost more in page
+    faults than the op itself (39 ms for 2.6M values on one core, 17 ms as written here)."""
     qmax = FORMATS[q.dtype][0]
     n = x.numel()
-    padded = torch.zeros(scales.numel() * block, dtype=torch.float32, device=x.device)
-    padded[:n] = x
-    blocks = padded.view(-1, block)
-    magnitude = blocks.abs()
-    finite = magnitude < float("inf")
-    largest = torch.where(finite, magnitude, 0.0).amax(dim=1, keepdim=True)
-    bad = ~finite.all(dim=1, keepdim=True)
-    inverse = torch.where(largest > 0, qmax / largest, 0.0)
-    y = blocks * inverse
-    if q.dtype == torch.int8:
-        values = y.round().clamp(-qmax, qmax)  # torch.round: ties to even
+    if n % block:
+        padded = x.new_zeros(scales.numel() * block)
+        padded[:n] = x
     else:
-        values = y.clamp(-qmax, qmax)  # the cast below rounds to the grid, ties to even
-    values = torch.where(bad, 0.0, values)
-    q.copy_(values.reshape(-1)[:n].to(q.dtype))
+        padded = x
+    blocks = padded.view(-1, block)
+    # the largest magnitude, inf or nan where a block holds them, without a tensor of magnitudes
+    largest = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=1, keepdim=True)
+    bad = ~torch.isfinite(largest)
+    largest.masked_fill_(bad, 0.0)
+    y = blocks * torch.where(largest > 0, qmax / largest, 0.0)
+    if q.dtype == torch.int8:
+        y.round_()  # ties to even
+    y.clamp_(-qmax, qmax)  # float8: the cast below rounds to the grid, ties to even
+    if bad.any():
+        y.masked_fill_(bad, 0.0)
+    q.copy_(y.view(-1)[:n])
     scales.copy_(torch.where(bad, float("nan"), largest / qmax).view(-1))
 
 
