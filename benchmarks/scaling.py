@@ -5,7 +5,7 @@ simulated hosts (network namespaces, see benchmarks/multinode/cluster.py) x 1-2 
 each variant, and writes a table (markdown), the raw JSON and a plot of scaling efficiency,
 throughput(N hosts) / (N x throughput(1 host)). Needs root.
 
-    python -m benchmarks.scaling --rate 1gbit --out benchmarks/results/scaling
+    python -m benchmarks.scaling --rate 1gbit --out benchmarks/results/YYYY-MM-DD-scaling-<what>
     python -m benchmarks.scaling --hosts 2 --per-host 2 --variants gloo,smddp-hier-bf16 --repeat 5
     python -m benchmarks.scaling --quick        # one small run: does the harness work here?
     python -m benchmarks.scaling --launcher mpiexec   # the same runs started by mpiexec with a host list

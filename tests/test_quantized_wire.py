@@ -5,6 +5,7 @@ the bound two quantizations allow, the same bits on every rank; and bad settings
 from __future__ import annotations
 
 import hashlib
+import re
 
 import pytest
 import torch
@@ -57,10 +58,18 @@ def _bound(wire: torch.dtype, hosts: int, largest: float) -> float:
 @pytest.mark.parametrize("wire, world", [("int8", 4), ("float8_e4m3fn", 4), ("float8_e5m2", 4), ("int8", 6)])
 def test_the_8_bit_all_reduce_between_hosts_is_within_its_bound_and_the_same_on_every_rank(wire, world):
     numel = 100_003  # odd: a short last block and uneven slices between hosts
-    env = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_INTER_NODE_WIRE_DTYPE": wire}
-    reports = harness.values(harness.launch(f"{__name__}:quantized_all_reduce", world, env=env, hosts_of=2,
-                                            numel=numel, per_host=2))
+    env = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_INTER_NODE_WIRE_DTYPE": wire, "SMDDP_DEBUG": "1"}
+    launched = harness.launch(f"{__name__}:quantized_all_reduce", world, env=env, hosts_of=2, numel=numel, per_host=2)
+    reports = harness.values(launched)
     hosts = world // 2
+    # the debug log says what crossed: a quarter of float32's bytes, and a float32 scale per 256
+    said = re.search(rf"sums to {hosts - 1} other hosts as {wire} in blocks of 256, (\d+) bytes per call "
+                     r"\(float32: (\d+)\)", launched[0].output)
+    assert said, launched[0].output[-2000:]
+    sent, float32 = map(int, said.groups())
+    # each slice is padded to whole blocks: at most one block more per slice sent
+    assert float32 / 4 * (1 + 4 / 256) <= sent <= float32 / 4 * (1 + 4 / 256) + 2 * (hosts - 1) * (256 + 4), \
+        (sent, float32)
     bound = _bound(getattr(torch, wire), hosts, reports[0]["host_sum_max"])
     assert len({r["digest"] for r in reports}) == 1, "ranks hold different sums"
     error = reports[0]["max_error"]

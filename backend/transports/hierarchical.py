@@ -267,6 +267,14 @@ class HierarchicalTransport(Transport):
         N, s, block = self.nodes, shard.numel(), self.wire_block
         sub = blocks_of(blocks_of(s, N), block) * block  # each host's slice: whole blocks
         per_slice = sub // block
+        if self.debug and ("quantized", s) not in self._logged:
+            self._logged.add(("quantized", s))
+            # each rank sends N - 1 slices of values and scales in the all-to-all, and its own
+            # slice's sums to N - 1 hosts in the all-gather
+            sent = 2 * (N - 1) * (sub * wire.itemsize + per_slice * 4)
+            log.info("smddp: rank %d sends %d float32 sums to %d other hosts as %s in blocks of %d, %d bytes "
+                     "per call (float32: %d)", self.rank, s, N - 1, str(wire).replace("torch.", ""), block, sent,
+                     2 * (N - 1) * blocks_of(s, N) * 4)
         send = shard if N * sub == s else torch.cat([shard, shard.new_zeros(N * sub - s)])
         values, scales = quantize(send, wire, block)
         got_values, got_scales = torch.empty_like(values), torch.empty_like(scales)
