@@ -23,6 +23,15 @@ ALGORITHMS = ("auto", "flat", "hierarchical")
 CUDA_TRANSPORTS = ("auto", "nccl", "staged")
 INTER_NODE_ACCUMULATIONS = ("float32", "wire")
 INTER_NODE_WIRE_DTYPES = ("bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2")
+WIRE_BLOCKS = (16, 1 << 16)  # the smallest and largest block of an 8-bit wire (a power of two)
+
+
+def wire_block_problem(block) -> str | None:
+    """Why ``block`` cannot be an 8-bit wire's block size, or None."""
+    low, high = WIRE_BLOCKS
+    if isinstance(block, bool) or not isinstance(block, int) or not low <= block <= high or block & (block - 1):
+        return f"expected a power of two from {low} to {high} (elements per float32 scale of an 8-bit wire)"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +137,9 @@ class BackendConfig:
                 f"smddp-lite: SMDDP_INTER_NODE_WIRE_DTYPE={self.inter_node_wire_dtype!r}; expected one of "
                 f"{', '.join(INTER_NODE_WIRE_DTYPES)}, or unset for no compression."
             )
-        block = self.inter_node_wire_block
-        if not 16 <= block <= 1 << 16 or block & (block - 1):
-            raise ValueError(
-                f"smddp-lite: SMDDP_INTER_NODE_WIRE_BLOCK={block}; expected a power of two from 16 to 65536 "
-                "(elements per float32 scale of an 8-bit wire)."
-            )
+        problem = wire_block_problem(self.inter_node_wire_block)
+        if problem is not None:
+            raise ValueError(f"smddp-lite: SMDDP_INTER_NODE_WIRE_BLOCK={self.inter_node_wire_block}; {problem}.")
         if self.inter_node_accumulate not in INTER_NODE_ACCUMULATIONS:
             raise ValueError(
                 f"smddp-lite: SMDDP_INTER_NODE_ACCUMULATE={self.inter_node_accumulate!r}; expected one of "

@@ -393,7 +393,7 @@ class HierarchicalTransport(Transport):
 
     def _put_in_rank_order(self, rows: torch.Tensor, grouped: torch.Tensor) -> None:
         # one copy per row: an indexed assignment of the rows took 3x as long
-        for position, rank in enumerate(self.by_local_index[: grouped.shape[0]]):
+        for position, rank in zip(range(grouped.shape[0]), self.by_local_index):
             rows[rank].copy_(grouped[position])
 
     @_shown_to_host

@@ -34,10 +34,10 @@ def host_addresses() -> list[str]:
                 continue
             found.add(socket.inet_ntoa(packed[20:24]))
     try:
-        found.update(str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None))
-    except OSError:
-        pass
-    return sorted(a for a in found if not ipaddress.ip_address(a.split("%")[0]).is_loopback)
+        named = [str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None)]
+    except OSError:  # a name the resolver does not know: the interfaces' addresses are all there is
+        named = []
+    return sorted(a for a in found.union(named) if not ipaddress.ip_address(a.split("%")[0]).is_loopback)
 
 
 class PeerHosts:

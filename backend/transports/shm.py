@@ -180,8 +180,9 @@ class ShmTransport(Transport):
             self.seg.slot(self.step, self.rank, input.dtype)[: rows * k].view(rows, k).copy_(part[:, start:stop])
             self._sync(header if start == 0 else None)
             for q in range(self.world_size):
-                staged = self.seg.slot(self.step, q, input.dtype)[: rows * k].view(rows, k)
-                blocks[q, :, start:stop].copy_(part[:, start:stop] if q == self.rank else staged)
+                src = part[:, start:stop] if q == self.rank else \
+                    self.seg.slot(self.step, q, input.dtype)[: rows * k].view(rows, k)
+                blocks[q, :, start:stop].copy_(src)
 
     def reduce_scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> None:
         """``input`` flat, or a (world_size, rows, columns) view with ``output`` (rows, columns)

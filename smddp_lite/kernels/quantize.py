@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import wire_block_problem
 from ._launch import use_triton
 
 try:
@@ -42,7 +43,6 @@ FORMATS = {
     torch.float8_e4m3fn: (448.0, 3, -6),
     torch.float8_e5m2: (57344.0, 2, -14),
 }
-MIN_BLOCK, MAX_BLOCK = 16, 1 << 16
 
 
 def check_format(dtype: torch.dtype, block: int) -> None:
@@ -50,10 +50,9 @@ def check_format(dtype: torch.dtype, block: int) -> None:
     if dtype not in FORMATS:
         names = ", ".join(str(d).replace("torch.", "") for d in FORMATS)
         raise ValueError(f"8-bit wire: {dtype} is not a quantized wire dtype; use one of {names}")
-    if not isinstance(block, int) or isinstance(block, bool) or block < MIN_BLOCK or block > MAX_BLOCK \
-            or block & (block - 1):
-        raise ValueError(f"8-bit wire: the block size must be a power of two from {MIN_BLOCK} to {MAX_BLOCK} "
-                         f"elements (one float32 scale travels per block); found {block!r}")
+    problem = wire_block_problem(block)
+    if problem is not None:
+        raise ValueError(f"8-bit wire: block size {block!r}; {problem}")
 
 
 def blocks_of(n: int, block: int) -> int:
