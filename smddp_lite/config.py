@@ -178,7 +178,8 @@ class BackendConfig:
         return self.debug or self.check_collectives
 
 
-WIRE_DTYPES = ("float32", "bfloat16", "float16")
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2")
+QUANTIZED_WIRE_DTYPES = WIRE_DTYPES[3:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +196,14 @@ class CompileConfig:
 
     wire_dtype: str | None = None
     """Dtype gradients travel in: "float32", "bfloat16" or "float16" (or the torch dtype);
-    None keeps each parameter's dtype. Env: ``SMDDP_WIRE_DTYPE``."""
+    None keeps each parameter's dtype. "int8", "float8_e4m3fn" or "float8_e5m2": blockwise
+    quantized with a float32 scale per ``wire_block`` elements, summed in float32 where they
+    land, each rank keeping what rounding lost for the next step (error feedback: see
+    ``smddp_lite.compiler.quantized_wire``). Env: ``SMDDP_WIRE_DTYPE``."""
+
+    wire_block: int = 256
+    """Elements per float32 scale of an 8-bit ``wire_dtype`` (a power of two from 16 to 65536).
+    Env: ``SMDDP_WIRE_BLOCK``."""
 
     max_grad_norm: float | None = None
     """Clip the global gradient 2-norm to this value; None disables clipping.
@@ -223,8 +231,11 @@ class CompileConfig:
         if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(
                 f"smddp-lite: wire_dtype={wire!r} is not supported; expected one of "
-                f"{', '.join(WIRE_DTYPES)} (or torch.float32/bfloat16/float16), or None"
+                f"{', '.join(WIRE_DTYPES)} (or the torch dtype), or None"
             )
+        problem = wire_block_problem(self.wire_block)
+        if problem is not None:
+            raise ValueError(f"smddp-lite: wire_block={self.wire_block!r}; {problem}")
         for name in ("bucket_cap_mb", "first_bucket_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"smddp-lite: {name}={getattr(self, name)!r} must be a positive number of MiB")
@@ -251,6 +262,7 @@ ENV_VARS: dict[str, tuple[tuple[str, str], ...]] = {
     "SMDDP_BUCKET_CAP_MB": (("compile", "bucket_cap_mb"),),
     "SMDDP_FIRST_BUCKET_MB": (("compile", "first_bucket_mb"),),
     "SMDDP_WIRE_DTYPE": (("compile", "wire_dtype"),),
+    "SMDDP_WIRE_BLOCK": (("compile", "wire_block"),),
     "SMDDP_MAX_GRAD_NORM": (("compile", "max_grad_norm"),),
     "SMDDP_BROADCAST_BUFFERS": (("compile", "broadcast_buffers"),),
     "SMDDP_SHARD_OPTIMIZER_STATE": (("compile", "shard_optimizer_state"),),

@@ -322,8 +322,8 @@ def test_bad_options_and_models_are_refused():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="unknown option.*bucket_size.*known: .*bucket_cap_mb"):
         smddp_lite.compile(model, opt, bucket_size=4)
-    with pytest.raises(ValueError, match="wire_dtype=.*int8"):
-        smddp_lite.compile(model, opt, wire_dtype="int8")
+    with pytest.raises(ValueError, match="wire_dtype='int4'.*expected one of .*int8, float8_e4m3fn"):
+        smddp_lite.compile(model, opt, wire_dtype="int4")
     with pytest.raises(ValueError, match="max_grad_norm"):
         smddp_lite.compile(model, opt, max_grad_norm=-1.0)
     mixed = _model()

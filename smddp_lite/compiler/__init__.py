@@ -13,11 +13,12 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..config import compile_config
+from ..config import QUANTIZED_WIRE_DTYPES, compile_config
 from .agreement import check_ranks_agree, what_must_agree
 from .buckets import describe, materialize, plan_buckets
 from .model import CompiledModel
 from .optimizer import CompiledOptimizer, optimizer_family, step_counts, torch_state
+from .quantized_wire import QuantizedWire, refuse_what_an_8_bit_wire_does_not_carry
 from .reducer import GradReducer
 from .sharding import ParameterGathers, Shard
 
@@ -37,8 +38,8 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
             optimizer an earlier compile returned (to compile again after unfreezing parameters:
             the state carries over). Use the returned optimizer from now on; the one passed in
             is left behind.
-        **options: ``bucket_cap_mb``, ``first_bucket_mb``, ``wire_dtype``, ``max_grad_norm``,
-            ``shard_optimizer_state``, ``broadcast_buffers``, ``debug`` (see ``smddp_lite.config.CompileConfig``); ``SMDDP_*`` variables set defaults.
+        **options: ``bucket_cap_mb``, ``first_bucket_mb``, ``wire_dtype``, ``wire_block``,
+            ``max_grad_norm``, ``shard_optimizer_state``, ``broadcast_buffers``, ``debug`` (see ``smddp_lite.config.CompileConfig``); ``SMDDP_*`` variables set defaults.
 
     Returns:
         ``(model, optimizer)`` used like a DDP model and a torch optimizer: forward, backward
@@ -55,6 +56,8 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
         optimizer.zero_grad()
     """
     config = compile_config(options)
+    if config.wire_dtype in QUANTIZED_WIRE_DTYPES:
+        refuse_what_an_8_bit_wire_does_not_carry(model, config)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("smddp_lite.compile: pass the bare module, not a DistributedDataParallel wrapper (use .module)")
     family = optimizer_family(optimizer)
@@ -83,7 +86,8 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
         previous.detach()
     shard = Shard(dist.get_rank(), world) if config.shard_optimizer_state and world > 1 else None
     wire = getattr(torch, config.wire_dtype) if config.wire_dtype and world > 1 else None
-    materialize(buckets, pad_to=world if shard is not None else 1, wire_dtype=wire)
+    quantized = config.wire_dtype in QUANTIZED_WIRE_DTYPES
+    materialize(buckets, pad_to=world if shard is not None else 1, wire_dtype=None if quantized else wire)
     if world > 1:  # start every rank from rank 0's weights, as DDP does, frozen ones included
         for b in buckets:
             dist.broadcast(b.param_flat, src=0)
@@ -94,8 +98,10 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
         for buf in model.buffers():
             dist.broadcast(buf, src=0)
     gathers = ParameterGathers(buckets, shard, group, model) if shard is not None else None
+    wires = [QuantizedWire(b, wire, config.wire_block, group, world) for b in buckets] \
+        if quantized and wire is not None else None
     reducer = GradReducer(buckets, group, world, want_norm=config.max_grad_norm is not None, shard=shard,
-                          gathers=gathers)
+                          gathers=gathers, quantized=wires)
     _ATTACHED[model] = [reducer] + ([gathers] if gathers is not None else [])
     compiled_optimizer = CompiledOptimizer(optimizer, family, buckets, reducer, config.max_grad_norm, gathers, state)
     if config.debug and (group is None or dist.get_rank() == 0):
@@ -103,7 +109,7 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
         log.info("smddp_lite.compile: %s, %d buckets, world size %d, wire dtype %s, clipping %s, %s\n%s",
                  type(optimizer).__name__, len(buckets), world, config.wire_dtype or "as parameters",
                  config.max_grad_norm, "optimizer state sharded" if shard is not None else "optimizer state on every rank",
-                 describe(buckets, names))
+                 describe(buckets, names, wires))
     return CompiledModel(model, reducer, config.broadcast_buffers, gathers), compiled_optimizer
 
 

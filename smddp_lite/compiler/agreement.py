@@ -18,6 +18,7 @@ import zlib
 import torch
 
 from ..backend.errors import ranks_said
+from ..config import QUANTIZED_WIRE_DTYPES
 from .sharding import ALL_GATHER
 
 SAME_MODEL = "build the same model on every rank, with the same parameters trainable (requires_grad)"
@@ -70,6 +71,8 @@ def what_must_agree(model: torch.nn.Module, trainable: list[torch.Tensor], bucke
          "give the optimizer the same settings on every rank (a learning rate scaled by rank, or a scheduler "
          "stepped before compile on some ranks only, trains the replicas apart)"),
         ("wire_dtype (SMDDP_WIRE_DTYPE)", str(config.wire_dtype or "unset"), SAME_OPTIONS),
+        ("wire_block (SMDDP_WIRE_BLOCK)",
+         str(config.wire_block) if config.wire_dtype in QUANTIZED_WIRE_DTYPES else "unused", SAME_OPTIONS),
         ("max_grad_norm (SMDDP_MAX_GRAD_NORM)", str(config.max_grad_norm), SAME_OPTIONS),
         ("shard_optimizer_state (SMDDP_SHARD_OPTIMIZER_STATE)", str(config.shard_optimizer_state), SAME_OPTIONS),
         # without buffers it changes nothing

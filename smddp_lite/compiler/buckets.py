@@ -87,11 +87,18 @@ def materialize(buckets: list[Bucket], pad_to: int = 1, wire_dtype: torch.dtype 
             p.grad = b.view(b.grad_flat, i)
 
 
-def describe(buckets: list[Bucket], names: dict[int, str]) -> str:
+def describe(buckets: list[Bucket], names: dict[int, str], wires: list | None = None) -> str:
+    """One line per bucket: its parameters, size, and the wire its gradients take."""
     lines = []
     for b in buckets:
         first, last = names.get(id(b.params[0]), "?"), names.get(id(b.params[-1]), "?")
         mib = b.numel * torch.empty(0, dtype=b.dtype).element_size() / 2**20
+        if wires is not None:
+            wire = wires[b.index].describe()
+        else:
+            on_wire = b.wire_flat if b.wire_flat is not None else b.grad_flat
+            wire = (f"{str(on_wire.dtype).replace('torch.', '')} wire, "
+                    f"{b.numel * on_wire.element_size()} bytes all-reduced per step")
         lines.append(f"  bucket {b.index}: group {b.group}, {len(b.params)} params ({first} .. {last}), "
-                     f"{b.numel} x {str(b.dtype).replace('torch.', '')} = {mib:.2f} MiB on {b.device}")
+                     f"{b.numel} x {str(b.dtype).replace('torch.', '')} = {mib:.2f} MiB on {b.device}; {wire}")
     return "\n".join(lines)

@@ -15,9 +15,11 @@ the kernel updates that share, and the updated shares are gathered back (``shard
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from ..kernels import adam_step, sgd_step
 from ..kernels._launch import arithmetic_dtype
@@ -26,6 +28,9 @@ from .reducer import GradReducer
 from .sharding import ALL_GATHER, ParameterGathers, Shard, check_every_rank_calls
 
 SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
+# the optimizer state_dict's key for an 8-bit wire's per-rank residuals
+WIRE_RESIDUALS = "smddp_wire_residuals"
+log = logging.getLogger("smddp_lite")
 
 
 def optimizer_family(optimizer: torch.optim.Optimizer) -> str:
@@ -256,7 +261,36 @@ class CompiledOptimizer(torch.optim.Optimizer):
         sd["state"].update(self._unstarted_entries())
         if self.shard is not None:
             sd["state"].update(self._gathered_entries())
+        if self.reducer.quantized is not None:
+            sd[WIRE_RESIDUALS] = self._wire_residuals()
         return sd
+
+    def _wire_residuals(self) -> dict:
+        """This rank's error-feedback residuals (an 8-bit wire_dtype): each rank's are its own, so
+        a bitwise resume needs every rank's state_dict (torch.save one file per rank). Plain
+        torch.optim ignores the key."""
+        return {"rank": dist.get_rank(self.reducer.group), "world_size": self.reducer.world_size,
+                "buckets": [wire.state() for wire in self.reducer.quantized]}
+
+    def _load_wire_residuals(self, saved: dict | None) -> None:
+        wires = self.reducer.quantized
+        if wires is None:
+            return
+        rank = dist.get_rank(self.reducer.group)
+        fits = (saved is not None and saved.get("rank") == rank and saved.get("world_size") == self.reducer.world_size
+                and len(saved.get("buckets", ())) == len(wires)
+                and all(w.fits(state) for w, state in zip(wires, saved["buckets"])))
+        if saved is not None and not fits:
+            log.warning("smddp_lite.compile: the checkpoint's 8-bit wire residuals are rank %s's of %s ranks; this "
+                        "is rank %d of %d (or the buckets differ), so this rank starts from zero residuals. Save "
+                        "every rank's optimizer.state_dict() to resume bitwise", saved.get("rank"),
+                        saved.get("world_size"), rank, self.reducer.world_size)
+        for i, wire in enumerate(wires):
+            wire.load(saved["buckets"][i] if fits else None)
+
+    def wire_residual_bytes(self) -> int:
+        """Bytes of error-feedback residuals this rank keeps (an 8-bit wire_dtype), else 0."""
+        return sum(w.residual_bytes() for w in self.reducer.quantized or ())
 
     def _gathered_entries(self, what: str = "optimizer.state_dict()") -> dict[int, dict[str, torch.Tensor]]:
         """torch-format entries of every parameter with state, from every rank's shares: one
@@ -309,6 +343,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
             kept.update(loaded)
         self.param_groups = groups
         self._import(self.state)
+        self._load_wire_residuals(state_dict.get(WIRE_RESIDUALS))
 
     def _publish_state(self, bucket: Bucket) -> None:
         """Make ``self.state[p]`` torch's entries for the bucket's parameters: views into the flat

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..kernels._launch import arithmetic_dtype
 from .buckets import Bucket
+from .quantized_wire import QuantizedWire
 from .sharding import REDUCE_SCATTER, ParameterGathers, Shard
 
 log = logging.getLogger("smddp_lite")
@@ -29,11 +30,13 @@ log = logging.getLogger("smddp_lite")
 
 class GradReducer:
     def __init__(self, buckets: list[Bucket], group, world_size: int, want_norm: bool,
-                 shard: Shard | None = None, gathers: ParameterGathers | None = None) -> None:
+                 shard: Shard | None = None, gathers: ParameterGathers | None = None,
+                 quantized: list[QuantizedWire] | None = None) -> None:
         """``gathers``, sharded: a bucket's wire buffer may still carry the last step's updates,
-        and is waited for before its gradients go out."""
+        and is waited for before its gradients go out. ``quantized``: each bucket's 8-bit wire,
+        which averages it instead of an all_reduce."""
         self.buckets, self.group, self.world_size, self.want_norm = buckets, group, world_size, want_norm
-        self.shard, self.gathers = shard, gathers
+        self.shard, self.gathers, self.quantized = shard, gathers, quantized
         self.sync = True  # False inside no_sync(): gradients only accumulate
         # each bucket's 2-norm in the update's arithmetic dtype (float64 for float64 parameters);
         # kept unsquared, as one op per bucket: the global norm is the norm of these
@@ -84,6 +87,10 @@ class GradReducer:
             return
         if self.gathers is not None:
             self.gathers.wait([b.index])
+        if self.quantized is not None:
+            self.quantized[b.index].start()
+            self._works[b.index] = self.quantized[b.index]
+            return
         wire = b.wire_flat
         sent, op = b.grad_flat, dist.ReduceOp.AVG
         if wire is not None:
@@ -106,6 +113,9 @@ class GradReducer:
                 self._zero_missing(self.buckets[i])
                 self._pending[i] = 0
             self._launch_ready()
+        if self.quantized is not None:  # every bucket's sums in flight before the first is waited for
+            for wire in self.quantized:
+                wire.sum_and_gather()
         for b in self.buckets:
             work = self._works[b.index]
             if work is not None:

@@ -116,17 +116,28 @@ if triton is not None:
         tl.store(acc_ptr + offs, acc + q * scale, mask=mask)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, block: int, *, force_triton: bool | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, dtype: torch.dtype, block: int, *, force_triton: bool | None = None,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (flat float32) as ``dtype`` values and one float32 scale per ``block`` elements.
 
     force_triton: None picks the Triton kernel on CUDA and the reference on the CPU; True forces
     the kernel (tests run it on CPU tensors under TRITON_INTERPRET=1), False the reference.
+    out: (values, scales) to write into, flat and contiguous (a wire buffer's parts), instead of
+    new tensors.
     """
     check_format(dtype, block)
     _check_message("quantize: x", x, torch.float32)
-    q = torch.empty(x.numel(), dtype=dtype, device=x.device)
-    scales = torch.empty(blocks_of(x.numel(), block), dtype=torch.float32, device=x.device)
+    if out is None:
+        q = torch.empty(x.numel(), dtype=dtype, device=x.device)
+        scales = torch.empty(blocks_of(x.numel(), block), dtype=torch.float32, device=x.device)
+    else:
+        q, scales = out
+        _check_message("quantize: out values", q, dtype)
+        _check_message("quantize: out scales", scales, torch.float32)
+        if q.numel() != x.numel() or scales.numel() != blocks_of(x.numel(), block):
+            raise ValueError(f"quantize: {x.numel()} values in blocks of {block} need out tensors of {x.numel()} "
+                             f"values and {blocks_of(x.numel(), block)} scales; found {q.numel()} and "
+                             f"{scales.numel()}")
     if not use_triton(x.device, force_triton, x.dtype):
         quantize_reference(x, q, scales, block)
         return q, scales
