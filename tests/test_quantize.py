@@ -85,6 +85,25 @@ def test_zero_constant_and_non_finite_blocks(dtype, force_triton):
         x[4 * block :], scales[4:], dtype, block).max().item())
 
 
+@pytest.mark.parametrize("dtype", WIRES, ids=IDS)
+@pytest.mark.parametrize("force_triton", [True, False], ids=["kernel", "reference"])
+def test_blocks_of_vanishing_magnitude_travel_as_zeros_not_nan(dtype, force_triton):
+    """The reciprocal of a scale of 1e-39 overflows float32 and made every value NaN (e4m3fn);
+    error feedback leaves a residual alone in a block to shrink towards such sizes step by step.
+    Blocks from 2**-100 up keep their values; below it, they travel as zeros."""
+    block = 16
+    x = torch.cat([torch.full((block,), 1e-39), torch.full((block,), -3e-31), torch.linspace(-1, 1, block) * 2.0 ** -99,
+                   torch.linspace(-1, 1, block) * 2.0 ** -90]).to(DEVICE)
+    q, scales = quantize(x, dtype, block, force_triton=force_triton)
+    back = torch.zeros_like(x)
+    dequantize_add(back, q, scales, block, force_triton=force_triton)
+    assert back.isfinite().all() and scales.isfinite().all(), (back, scales)
+    assert scales[0] == 0 and scales[1] == 0 and not back[: 2 * block].any(), "below TINY: zeros"
+    assert scales[2] > 0 and scales[3] > 0
+    bound = error_bound(x, scales, dtype, block)
+    assert ((back - x).abs() <= bound * (1 + 1e-5)).all(), ((back - x).abs() / bound).max()
+
+
 @pytest.mark.parametrize("block, says", [(100, "power of two"), (8, "from 16"), (1 << 17, "to 65536"),
                                          (16.0, "power of two")])
 def test_a_bad_block_size_is_refused_saying_what_is_taken(block, says):

@@ -15,6 +15,11 @@ one element ``x`` is at most (``error_bound``):
 - float8 e4m3fn (QMAX 448, 3 mantissa bits): ``max(|x| 2**-4, s 2**-10)``;
 - float8 e5m2 (QMAX 57344, 2 mantissa bits): ``max(|x| 2**-3, s 2**-17)``.
 
+A block whose largest magnitude is below ``TINY`` (2**-100) travels as zeros with a zero scale,
+as an all-zero block does: its values are below any use, and the reciprocal of a smaller
+block's scale overflows float32 (an e4m3fn block of 1e-39 became NaN; error feedback shrinks a
+residual left alone in a block towards such sizes step by step).
+
 A block holding inf or nan gets a NaN scale and zero values: everything it dequantizes to is
 NaN, so a sum that takes it in is non-finite where it lands, as an unquantized sum would be, and
 GradScaler's check of the result still sees it. Other blocks are unaffected.
@@ -37,6 +42,9 @@ try:
 except ImportError:  # the reference path needs no Triton
     triton = None
 
+# blocks whose largest magnitude is below this travel as zeros: QMAX / TINY fits float32 for
+# every format, and TINY / QMAX is a normal float32
+TINY = 2.0 ** -100
 # format: (largest value, mantissa bits, smallest normal exponent); int8 is a grid of integers
 FORMATS = {
     torch.int8: (127.0, 0, 0),
@@ -89,7 +97,7 @@ if triton is not None:
 
     @triton.jit
     def _quantize_kernel(x_ptr, q_ptr, scale_ptr, n, QMAX: tl.constexpr, MANTISSA: tl.constexpr,
-                         MIN_EXP: tl.constexpr, BLOCK: tl.constexpr):
+                         MIN_EXP: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -98,6 +106,7 @@ if triton is not None:
         bad = tl.max(tl.where(finite, 0, 1), axis=0)
         x = tl.where(finite, x, 0.0)  # the block is sent as zeros with a NaN scale
         largest = tl.max(tl.abs(x), axis=0)
+        largest = tl.where(largest >= TINY, largest, 0.0)
         inverse = tl.where(largest > 0, QMAX / tl.where(largest > 0, largest, 1.0), 0.0)
         q = _to_grid(x * inverse, MANTISSA, MIN_EXP)
         q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
@@ -146,7 +155,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, block: int, *, force_triton: b
     if x.numel():
         qmax, mantissa, min_exp = FORMATS[dtype]
         _quantize_kernel[(scales.numel(),)](x, q, scales, x.numel(), QMAX=qmax, MANTISSA=mantissa,
-                                            MIN_EXP=min_exp, BLOCK=block)
+                                            MIN_EXP=min_exp, TINY=TINY, BLOCK=block)
     return q, scales
 
 
@@ -165,7 +174,7 @@ def quantize_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, b
     # the largest magnitude, inf or nan where a block holds them, without a tensor of magnitudes
     largest = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=1, keepdim=True)
     bad = ~torch.isfinite(largest)
-    largest.masked_fill_(bad, 0.0)
+    largest.masked_fill_(bad | (largest < TINY), 0.0)
     y = blocks * torch.where(largest > 0, qmax / largest, 0.0)
     if q.dtype == torch.int8:
         y.round_()  # ties to even
@@ -208,7 +217,10 @@ def error_bound(x: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block
     qmax, mantissa, min_exp = FORMATS[dtype]
     per_element = scales.repeat_interleave(block)[: x.numel()]
     if mantissa == 0:
-        return per_element / 2
-    # half the grid's spacing: relative above the smallest normal, absolute (in units of the
-    # scale) among the subnormals
-    return torch.maximum(x.abs() * 2.0 ** -(mantissa + 1), per_element * 2.0 ** (min_exp - mantissa - 1))
+        bound = per_element / 2
+    else:
+        # half the grid's spacing: relative above the smallest normal, absolute (in units of the
+        # scale) among the subnormals
+        bound = torch.maximum(x.abs() * 2.0 ** -(mantissa + 1), per_element * 2.0 ** (min_exp - mantissa - 1))
+    # a block below TINY travels as zeros: what it loses is itself
+    return torch.where(per_element == 0, x.abs(), bound)
