@@ -44,6 +44,8 @@ VARIANTS = {  # name: (ddp_throughput --variant, extra arguments, environment)
     "smddp-hier-bf16-wire-sums": ("smddp", [], {"SMDDP_ALGORITHM": "auto", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16",
                                                 "SMDDP_INTER_NODE_ACCUMULATE": "wire"}),
     "smddp-compiled-bf16": ("smddp-compiled", ["--wire-dtype", "bfloat16"], {"SMDDP_ALGORITHM": "auto"}),
+    # the compiled step's 8-bit wire with error feedback (an all-to-all and an all-gather per bucket)
+    "smddp-compiled-int8": ("smddp-compiled", ["--wire-dtype", "int8"], {"SMDDP_ALGORITHM": "auto"}),
     # AdamW, the compiled step with its optimizer state on every rank or sharded (ZeRO-1)
     "gloo-adamw": ("gloo", ["--optimizer", "adamw"], {}),
     "smddp-compiled-bf16-adamw": ("smddp-compiled", ["--wire-dtype", "bfloat16", "--optimizer", "adamw"],

@@ -115,6 +115,48 @@ def test_adamw_with_clipping_trains_as_float32_ddp_on_every_transport(wire, tran
     assert 0 < ranks[0]["drift"]["120"] < 0.05, ranks[0]["drift"]
 
 
+def one_average(wire: str) -> dict:
+    """One backward of the compiled step on ``wire`` (each rank its own batch): the largest
+    difference between ``.grad`` and the float32 average of every rank's gradient, against the
+    largest magnitude of that average."""
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base, _ = _problem(rank, width=300)
+    plain = copy.deepcopy(base)
+    model, _ = smddp_lite.compile(base, _optimizer("sgd", base.parameters()), bucket_cap_mb=0.02,
+                                  first_bucket_mb=0.001, wire_dtype=wire)
+    x = torch.randn(16, 33, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+    for m in (model, plain):
+        m(x).square().mean().backward()
+    exact = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])
+    dist.all_reduce(exact)
+    exact /= world
+    got = torch.cat([p.grad.reshape(-1) for p in base.parameters()])
+    result = {"max_error": float((got - exact).abs().max()), "largest": float(exact.abs().max()),
+              "digest": float(got.double().sum())}
+    dist.destroy_process_group()
+    return result
+
+
+@pytest.mark.parametrize("world, hosts", [
+    (2, None),
+    (4, dict(hosts_of=2)),  # 2 hosts of 2: reduced inside each host, then quantized between them
+    (6, dict(interleaved_hosts=2)),  # 2 hosts of 3, ranks dealt to them in turn
+])
+def test_the_averaged_gradient_is_within_two_roundings_of_float32s(world, hosts):
+    """Each value is rounded at most twice, each time by at most half a step of its block's
+    scale (the block's largest magnitude / 127): under 1/127 of the largest average in all. A
+    piece summed or written back at the wrong place would be off by the gradients themselves."""
+    launched = harness.launch(f"{__name__}:one_average", world, env={"SMDDP_DEBUG": "1"}, wire="int8",
+                              **(hosts or {}))
+    ranks = harness.values(launched)
+    assert len({r["digest"] for r in ranks}) == 1, "ranks hold different gradients"
+    error, largest = ranks[0]["max_error"], ranks[0]["largest"]
+    assert 0 < error <= largest / 127, (error, largest)
+    said = "reduce-scattered in float32 inside each of 2 hosts, then int8 wire" in launched[0].output
+    assert said == (hosts is not None), launched[0].output[-3000:]
+
+
 def resume(wire: str, steps: int, stop_at: int) -> dict:
     """One run of ``steps`` steps, and another stopped at ``stop_at``, checkpointed (each rank
     its own optimizer state_dict, as torch.save of one file per rank), resumed into a newly

@@ -18,7 +18,7 @@ from .agreement import check_ranks_agree, what_must_agree
 from .buckets import describe, materialize, plan_buckets
 from .model import CompiledModel
 from .optimizer import CompiledOptimizer, optimizer_family, step_counts, torch_state
-from .quantized_wire import QuantizedWire, refuse_what_an_8_bit_wire_does_not_carry
+from .quantized_wire import QuantizedWire, host_layout, refuse_what_an_8_bit_wire_does_not_carry
 from .reducer import GradReducer
 from .sharding import ParameterGathers, Shard
 
@@ -87,7 +87,9 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
     shard = Shard(dist.get_rank(), world) if config.shard_optimizer_state and world > 1 else None
     wire = getattr(torch, config.wire_dtype) if config.wire_dtype and world > 1 else None
     quantized = config.wire_dtype in QUANTIZED_WIRE_DTYPES
-    materialize(buckets, pad_to=world if shard is not None else 1, wire_dtype=None if quantized else wire)
+    # an 8-bit wire cuts each bucket into one piece of whole blocks per rank
+    pad_to = world if shard is not None else world * config.wire_block if quantized and wire is not None else 1
+    materialize(buckets, pad_to=pad_to, wire_dtype=None if quantized else wire)
     if world > 1:  # start every rank from rank 0's weights, as DDP does, frozen ones included
         for b in buckets:
             dist.broadcast(b.param_flat, src=0)
@@ -98,8 +100,10 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
         for buf in model.buffers():
             dist.broadcast(buf, src=0)
     gathers = ParameterGathers(buckets, shard, group, model) if shard is not None else None
-    wires = [QuantizedWire(b, wire, config.wire_block, group, world) for b in buckets] \
-        if quantized and wire is not None else None
+    wires = None
+    if quantized and wire is not None:
+        layout = host_layout(world)
+        wires = [QuantizedWire(b, wire, config.wire_block, group, world, layout) for b in buckets]
     reducer = GradReducer(buckets, group, world, want_norm=config.max_grad_norm is not None, shard=shard,
                           gathers=gathers, quantized=wires)
     _ATTACHED[model] = [reducer] + ([gathers] if gathers is not None else [])

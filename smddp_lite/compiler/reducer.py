@@ -90,6 +90,10 @@ class GradReducer:
         if self.quantized is not None:
             self.quantized[b.index].start()
             self._works[b.index] = self.quantized[b.index]
+            # buckets before it go on to cross between hosts while backward goes on (in bucket
+            # order, as every rank does); a no-op where they have already
+            for earlier in self.quantized[: b.index]:
+                earlier.exchange()
             return
         wire = b.wire_flat
         sent, op = b.grad_flat, dist.ReduceOp.AVG
