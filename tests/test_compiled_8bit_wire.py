@@ -301,3 +301,27 @@ def test_a_float64_model_is_refused_an_8_bit_wire():
     model = torch.nn.Linear(4, 4).double()
     with pytest.raises(ValueError, match="float64 parameters.*Use wire_dtype=None"):
         smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), wire_dtype=torch.float8_e4m3fn)
+
+
+def test_the_convergence_benchmark_runs_and_reports_against_float32(tmp_path):
+    """A smoke run of benchmarks/convergence.py (one seed, a few steps): every variant's curve,
+    the table and its verdict against float32's spread (zero with one seed)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "conv"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.convergence", "--seeds", "0", "--steps", "20",
+                           "--eval-every", "10", "--variants", "ddp-float32,compiled-int8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    runs = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert [r["seed"] for r in runs] == [0]
+    for run in runs:
+        assert set(run["curves"]) == {"ddp-float32", "compiled-int8"}
+        assert [step for step, _ in run["curves"]["compiled-int8"]] == [1, 10, 20]
+        losses = [loss for _, loss in run["curves"]["ddp-float32"]]
+        assert losses[-1] < losses[0], "the classifier did not learn"
+    table = out.with_suffix(".md").read_text()
+    assert "| compiled-int8 |" in table and "float32 DDP's run-to-run spread" in table
