@@ -98,7 +98,7 @@ def describe(buckets: list[Bucket], names: dict[int, str], wires: list | None = 
         else:
             on_wire = b.wire_flat if b.wire_flat is not None else b.grad_flat
             wire = (f"{str(on_wire.dtype).replace('torch.', '')} wire, "
-                    f"{b.numel * on_wire.element_size()} bytes all-reduced per step")
+                    f"{b.numel * on_wire.element_size()} bytes reduced per step")
         lines.append(f"  bucket {b.index}: group {b.group}, {len(b.params)} params ({first} .. {last}), "
                      f"{b.numel} x {str(b.dtype).replace('torch.', '')} = {mib:.2f} MiB on {b.device}; {wire}")
     return "\n".join(lines)

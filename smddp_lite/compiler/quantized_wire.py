@@ -16,9 +16,11 @@ per block), a quarter of a float32 ring all-reduce, and every value is rounded t
 the world size, where a ring rounds on every hop. On several hosts with as many ranks each
 (``HostLayout``), the bucket is first reduce-scattered in float32 inside each host, and the
 exchange runs among the ranks holding the same part on each host: only each host's sums are
-quantized and cross, as the hierarchical transport's own 8-bit wire does. What both roundings lose is added to the next
-step's gradient (error feedback, as in 1-bit Adam's worker and server compensation), so over
-many steps the parameters follow float32 training instead of drifting with the rounding.
+quantized and cross, as the hierarchical transport's own 8-bit wire does.
+
+What both roundings lose is added to the next step's gradient (error feedback, as in 1-bit
+Adam's worker and server compensation), so over many steps the parameters follow float32
+training instead of drifting with the rounding.
 
 Residuals are per rank and kept in the gradient's units: with GradScaler, a residual carried
 across a change of the loss scale is off by that change's factor (at most one rounding's error).
@@ -28,7 +30,6 @@ A block holding inf or nan (a step GradScaler skips) starts its residual afresh.
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,6 @@ import torch.distributed as dist
 from ..kernels.quantize import blocks_of, check_format, dequantize_add, quantize
 from .buckets import Bucket
 from .sharding import ALL_GATHER, REDUCE_SCATTER
-
-log = logging.getLogger("smddp_lite")
 
 # bytes of one scale on the wire
 _SCALE_BYTES = 4
@@ -138,9 +137,10 @@ class QuantizedWire:
     def describe(self) -> str:
         how = (f"reduce-scattered in float32 inside each of {self.layout.hosts} hosts, then "
                if self.layout is not None else "")
+        float32 = (self.peers - 1 + self.world - 1) * self.piece * 4
         return (f"{how}{str(self.dtype).replace('torch.', '')} wire in blocks of {self.block}, {self.bytes_sent()} "
-                f"bytes sent per step by each rank (as float32 pieces: {self.bytes_sent() // self.row_bytes * self.piece * 4}), "
-                f"residuals {self.residual_bytes()} bytes")
+                f"bytes sent per step by each rank (as float32 pieces: {float32}), residuals "
+                f"{self.residual_bytes()} bytes")
 
     def _values_of(self, rows: torch.Tensor, q: int) -> torch.Tensor:
         return rows[q, : self.piece * self.dtype.itemsize].view(self.dtype)

@@ -180,7 +180,8 @@ def quantize_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, b
     largest = torch.maximum(torch.amax(blocks, dim=1, keepdim=True), torch.amin(blocks, dim=1, keepdim=True).neg_())
     bad = ~torch.isfinite(largest)
     largest.masked_fill_(bad | (largest < TINY), 0.0)
-    y = torch.mul(blocks, torch.where(largest > 0, qmax / largest, 0.0), out=_scratch(blocks.numel(), x.device).view(-1, block))
+    y = _scratch(blocks.numel(), x.device).view(-1, block)
+    torch.mul(blocks, torch.where(largest > 0, qmax / largest, 0.0), out=y)
     if q.dtype == torch.int8:
         y.round_()  # ties to even
     y.clamp_(-qmax, qmax)  # float8: the cast below rounds to the grid, ties to even
