@@ -248,40 +248,12 @@ def test_a_step_skipped_for_an_inf_leaves_the_residuals_finite():
     assert ranks[0]["digest"] == ranks[1]["digest"]
 
 
-def wire_bytes(wire: str | None, steps: int = 3) -> dict:
-    """What the host's loopback carried per compiled step (gloo's sockets, every rank's)."""
-    from .programs import _bytes_sent
-
-    smddp_lite.init()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
-    compiled, opt = smddp_lite.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), bucket_cap_mb=0.25,
-                                       wire_dtype=wire)
-    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(dist.get_rank()))
-
-    def step() -> None:
-        compiled(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-    step()  # connections made, buffers allocated
-    dist.barrier()
-    before = _bytes_sent("lo")
-    dist.barrier()
-    for _ in range(steps):
-        step()
-    dist.barrier()
-    loopback = _bytes_sent("lo") - before
-    dist.destroy_process_group()
-    return {"loopback_per_step": loopback / steps}
-
-
 def test_an_8_bit_wire_sends_about_a_quarter_of_float32s_bytes():
     """Counted on the loopback under gloo, the per-call check left out (SMDDP_CHECK_COLLECTIVES=0):
     1 byte per element and 4 per block of 256, where float32 sends 4 per element."""
     env = {"SMDDP_TRANSPORT": "gloo", "SMDDP_CHECK_COLLECTIVES": "0"}
-    wide = harness.values(harness.launch(f"{__name__}:wire_bytes", 2, env=env, wire=None))[0]
-    narrow = harness.values(harness.launch(f"{__name__}:wire_bytes", 2, env=env, wire="int8"))[0]
+    wide = harness.values(harness.launch("tests.programs:compiled_wire_bytes", 2, env=env, wire_dtype=None))[0]
+    narrow = harness.values(harness.launch("tests.programs:compiled_wire_bytes", 2, env=env, wire_dtype="int8"))[0]
     ratio = narrow["loopback_per_step"] / wide["loopback_per_step"]
     assert 0.22 <= ratio <= 0.28, (ratio, wide, narrow)
 
