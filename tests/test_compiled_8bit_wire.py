@@ -157,6 +157,46 @@ def test_the_averaged_gradient_is_within_two_roundings_of_float32s(world, hosts)
     assert said == (hosts is not None), launched[0].output[-3000:]
 
 
+def accumulation_and_16_bit_parameters() -> dict:
+    """Gradient accumulation under ``no_sync()`` on the int8 wire against DDP (the wire is used
+    once per optimizer step, on the accumulated gradient), and bfloat16 parameters on it (the
+    pieces are quantized from float32 sums and land in a float32 buffer first)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    smddp_lite.init()
+    rank = dist.get_rank()
+    base, _ = _problem(rank)
+    eager_module, compiled_module, half = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base).bfloat16()
+    eager, opt_e = DDP(eager_module), _optimizer("sgd", eager_module.parameters())
+    compiled, opt_c = smddp_lite.compile(compiled_module, _optimizer("sgd", compiled_module.parameters()),
+                                         bucket_cap_mb=0.004, first_bucket_mb=0.001, wire_dtype="int8")
+    half_model, opt_h = smddp_lite.compile(half, _optimizer("adamw", half.parameters()), wire_dtype="int8")
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        xs = [torch.randn(8, 33, generator=gen) for _ in range(3)]
+        for model, opt in ((eager, opt_e), (compiled, opt_c)):
+            with model.no_sync():
+                for x in xs[:2]:
+                    model(x).square().mean().backward()
+            model(xs[2]).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        half_model(xs[0].bfloat16()).float().square().mean().backward()
+        opt_h.step()
+        opt_h.zero_grad()
+    drift = max(float((a - b).abs().max()) for a, b in zip(eager_module.parameters(), compiled_module.parameters()))
+    finite = all(bool(torch.isfinite(p).all()) for p in half.parameters())
+    dist.destroy_process_group()
+    return {"drift": drift, "digest": _digest(compiled_module) + _digest(half), "half_finite": finite}
+
+
+def test_no_sync_accumulation_and_bfloat16_parameters_on_the_8_bit_wire():
+    ranks = harness.values(harness.launch(f"{__name__}:accumulation_and_16_bit_parameters", 2))
+    assert ranks[0]["digest"] == ranks[1]["digest"], "ranks hold different parameters"
+    assert 0 < ranks[0]["drift"] < 2e-4, ranks[0]  # measured: 4.3e-5
+    assert ranks[0]["half_finite"]
+
+
 def resume(wire: str, steps: int, stop_at: int) -> dict:
     """One run of ``steps`` steps, and another stopped at ``stop_at``, checkpointed (each rank
     its own optimizer state_dict, as torch.save of one file per rank), resumed into a newly
