@@ -22,7 +22,9 @@ every rank of a group shares one host, else gloo."""
 ALGORITHMS = ("auto", "flat", "hierarchical")
 CUDA_TRANSPORTS = ("auto", "nccl", "staged")
 INTER_NODE_ACCUMULATIONS = ("float32", "wire")
-INTER_NODE_WIRE_DTYPES = ("bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2")
+# wire dtypes sent blockwise quantized, with a float32 scale per block (kernels/quantize.py)
+QUANTIZED_WIRE_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+INTER_NODE_WIRE_DTYPES = ("bfloat16", "float16", *QUANTIZED_WIRE_DTYPES)
 WIRE_BLOCKS = (16, 1 << 16)  # the smallest and largest block of an 8-bit wire (a power of two)
 
 
@@ -178,8 +180,7 @@ class BackendConfig:
         return self.debug or self.check_collectives
 
 
-WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2")
-QUANTIZED_WIRE_DTYPES = WIRE_DTYPES[3:]
+WIRE_DTYPES = ("float32", "bfloat16", "float16", *QUANTIZED_WIRE_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)

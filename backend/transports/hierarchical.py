@@ -54,6 +54,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from smddp_lite.config import QUANTIZED_WIRE_DTYPES
+
 from ..call import Call
 from ..ops import LOW_PRECISION, RedOp, as_sum
 from .base import Capabilities, Transport
@@ -61,8 +63,7 @@ from .gloo import GlooTransport
 from .refusals import RefusalBoard
 
 log = logging.getLogger("smddp_lite")
-# inter_node_wire_dtype values sent blockwise quantized, with a float32 scale per block
-QUANTIZED_WIRES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+QUANTIZED_WIRES = tuple(getattr(torch, name) for name in QUANTIZED_WIRE_DTYPES)
 
 
 def _shown_to_host(op: Callable) -> Callable:
