@@ -172,8 +172,9 @@ class FastCalls:
         self._move: dict[torch.dtype, tuple[int, int]] = {}  # dtype -> (NCCL dtype, how many make one)
 
     @staticmethod
-    def _reduce_codes(path) -> dict[tuple[torch.dtype, object], tuple[int, int]]:
-        """(dtype, torch's RedOpType) -> (NCCL dtype, NCCL op), for what NCCL runs as it is."""
+    def _reduce_codes(path) -> dict[tuple[torch.dtype, int], tuple[int, int]]:
+        """(dtype, torch's RedOpType's value) -> (NCCL dtype, NCCL op), for what NCCL runs as it
+        is. Keyed by the enum's integer: hashing the pybind enum itself cost about 1.5 us a call."""
         from .nccl_path import NeedsStaging
 
         codes = {}
@@ -184,7 +185,7 @@ class FastCalls:
                 except NeedsStaging:
                     continue
                 if not divide:
-                    codes[(dtype, torch_op)] = (dt, op)
+                    codes[(dtype, torch_op.value)] = (dt, op)
         return codes
 
     def _moved(self, dtype: torch.dtype) -> tuple[int, int]:
@@ -214,7 +215,7 @@ class FastCalls:
         lane = self._lane_for(group, t)
         if lane is None:
             return None
-        code = self._reduce.get((t.dtype, opts.reduceOp.op))
+        code = self._reduce.get((t.dtype, opts.reduceOp.op.value))
         if code is None:
             return None
         ptr, n = t.data_ptr(), t.numel()
