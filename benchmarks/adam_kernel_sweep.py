@@ -1,14 +1,11 @@
 """The fused Adam kernel's launch shapes, and the gradient-norm pass, timed side by side.
 
-On an H200 (2026-11-26, benchmarks/results/2026-11-26-h200) the compiled step reached 48% of
-copy bandwidth at 350M parameters, counted by the 28 bytes an AdamW step must move: the update
-kernel ran at 75% of copy bandwidth by the 32 bytes it moves (the unscaled, clipped gradient is
-written back), and the per-bucket norms (one vector_norm and one square per bucket) at 37%.
-This times, on one flat buffer of ``--params`` float32 parameters:
+The compiled step spends its time in the update kernel (32 bytes per parameter: the unscaled,
+clipped gradient is written back) and in the per-bucket gradient norms. This times, on one flat buffer of ``--params`` float32 parameters:
   update   adam_step for every BLOCK x num_warps asked for (BLOCK=2048, 4 warps is the default),
            with and without the gradient write-back
   norms    the 2-norm of ``--buckets`` equal buckets: a vector_norm and a square per bucket (as
-           the reducer took them on the H200), a vector_norm per bucket (as it takes them since),
+           an earlier reducer took them), a vector_norm per bucket (as the reducer takes them),
            and torch._foreach_norm over all of them in one launch
 Each variant runs once per round, alternating, so noise hits all alike; the table gives the
 median [p20, p80] and GB/s by the bytes each moves, as a percentage of a plain copy's.

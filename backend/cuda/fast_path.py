@@ -15,9 +15,8 @@ until the collective ends. Each call's end is one event from a pool, recorded th
 runtime on raw stream handles (no Python stream or event objects per call), which the watchdog
 polls as it polls every CUDA work: a stuck or failed call is found and aborted either way.
 
-On an H200 the general route cost a median 103 us more per call than torch's nccl, spread over
-some 40 Python functions (benchmarks/results/2026-11-26-h200/README.md); this path is the few
-steps a qualifying call needs.
+The general route costs about 100 us more per call than torch's nccl, spread over some 40
+Python functions; this path is the few steps a qualifying call needs.
 """
 
 from __future__ import annotations
