@@ -4,9 +4,11 @@ Each link class has a latency alpha (s) and an inverse bandwidth beta (s/byte): 
 (shared memory), between hosts (gloo over a rate-limited link), and between hosts with a 16-bit
 wire, which is two classes because the backend runs two algorithms there: gloo's own ring in the
 wire dtype between two hosts, and a wire-dtype all-to-all + float32 sum + all-gather between more
-(backend/transports/hierarchical.py). A 16-bit class's beta is per float32 byte of the message,
-so it holds both the halved network bytes and the CPU time of casting. For N hosts of L ranks and
-a message of S bytes:
+(backend/transports/hierarchical.py); and between hosts with an 8-bit wire (int8, float8), which
+always runs the exchange, quantizing blockwise with a float32 scale per block. A 16- or 8-bit
+class's beta is per float32 byte of the message, so it holds both the network bytes (a half; a
+quarter plus the scales, 1/256 with blocks of 256) and the CPU time of casting or quantizing. For
+N hosts of L ranks and a message of S bytes:
 
     flat ring over p = N*L ranks    2(p-1) * (alpha + S/p * beta)      one ring edge leaves each
                                                                        host, so the host link is
@@ -15,7 +17,8 @@ a message of S bytes:
         in(B) = (L-1) * (alpha_in + B/L * beta_in)                     reduce-scatter or all-gather
         x(B)  = 2(N-1) * max(alpha_x + B/(N L) * beta_x, B/N * beta_x)  L flows of B/(N L) share
                                                                        one host link (below)
-        w = 1/2 with a 16-bit wire: the sums come back in it and are gathered in it
+        w = 1/2 with a 16-bit wire: the sums come back in it and are gathered in it; an 8-bit
+        wire's sums are dequantized before the gather (w = 1)
     hierarchical, k pieces of P     in(P) + (k-1) * max(x(P), 2 in(P)) + x(last) + in(w last)
                                     (the network works on one piece while the host reduces and
                                     gathers the others)
@@ -59,7 +62,8 @@ given together: some 1 MiB points on this lab vary by 1.8x from round to round).
 fitted by least squares on the relative error, on messages of 1 MiB and more (below that a step
 costs 0.5-2 ms whatever its size, no alpha-beta process), on the runs that show one class alone: 1
 host x 2 ranks (inside), 2 hosts x 1 rank flat (between), 2 and 4 hosts x 1 rank with a bfloat16
-wire (the two 16-bit algorithms); then the two CPU constants as above. Every other run (several
+wire (the two 16-bit algorithms), 2 hosts x 1 rank with an int8 wire (where the sweep has it);
+then the two CPU constants as above. An 8-bit run uses the hierarchical algorithm's CPU constant. Every other run (several
 ranks per host and several hosts) is predicted and its error reported. The fitted form is then
 evaluated with NVLink- and EFA-class constants for 8 to 512 GPUs (8 per host), where a 16-bit wire
 halves the bytes between hosts.
@@ -82,6 +86,9 @@ import torch
 MIN_BYTES = 1 << 20  # the model is fitted and judged on messages of 1 MiB and more
 INTER_16 = {2: "inter, 16-bit ring (2 hosts)"}
 INTER_16_MANY = "inter, 16-bit exchange (>2 hosts)"
+INTER_8 = "inter, 8-bit exchange"
+EIGHT_BIT_WIRES = ("int8", "float8_e4m3fn", "float8_e5m2")
+WIRE_BLOCK = 256  # SMDDP_INTER_NODE_WIRE_BLOCK's default: one float32 scale per 256 values
 # the fit-set run each algorithm's CPU time per step is fitted on: (hosts, ranks per host, algorithm, wire)
 CPU_FITTED_ON = {"flat": (8, 1, "flat", "float32"), "hierarchical": (4, 1, "hierarchical", "bfloat16")}
 
@@ -96,14 +103,25 @@ def inter_class(hosts: int, wire: str) -> str:
     """The link class an all_reduce between ``hosts`` hosts uses with this wire dtype."""
     if wire == "float32":
         return "inter"
+    if wire in EIGHT_BIT_WIRES:
+        return INTER_8
     return INTER_16.get(hosts, INTER_16_MANY)
+
+
+def network_share(wire: str) -> float:
+    """The wire's bytes between hosts per float32 byte of the message."""
+    if wire == "float32":
+        return 1.0
+    if wire in EIGHT_BIT_WIRES:
+        return 0.25 + 1 / WIRE_BLOCK  # a byte per value, and 4 bytes of scale per block
+    return 0.5
 
 
 def predict(hosts: int, per_host: int, algorithm: str, nbytes: float, links: dict, wire: str = "float32",
             piece: float | None = None, cores: int | None = None, step_cpu: float = 0.0) -> float:
     """Modelled time of one all_reduce of ``nbytes`` (float32) bytes. ``links`` maps class names
-    to (alpha, beta); a 16-bit wire without its own class in ``links`` halves the bytes of the
-    "inter" class (the extrapolation). ``piece`` is the pipelining size (None: one piece);
+    to (alpha, beta); a 16- or 8-bit wire without its own class in ``links`` takes the "inter"
+    class with its share of the bytes (the extrapolation). ``piece`` is the pipelining size (None: one piece);
     ``cores`` the cores all ranks share (None: one core per rank, no contention); ``step_cpu``
     the CPU time one rank spends on one step between hosts, which p ranks on ``cores`` cores
     cannot fit into less than max(1, p/cores) x step_cpu."""
@@ -112,19 +130,20 @@ def predict(hosts: int, per_host: int, algorithm: str, nbytes: float, links: dic
     a_in, b_in = a_in * f, b_in * f
     name = inter_class(hosts, wire)
     a_net, b_net = links["inter"]
+    share = network_share(wire)
     if wire == "float32":
         a_x, b_x = a_net, b_net
     elif name in links:
         a_x, b_x = links[name]
-        cpu = max(0.0, b_x - b_net / 2)  # what the 16-bit class costs beyond half the float32 bytes
-        b_x = b_net / 2 + cpu * f
+        cpu = max(0.0, b_x - b_net * share)  # what the class costs beyond its share of the float32 bytes
+        b_x = b_net * share + cpu * f
     else:
-        a_x, b_x = a_net, b_net / 2
+        a_x, b_x = a_net, b_net * share
     if hosts == 1:
         return ring(per_host, nbytes, a_in, b_in)
     if algorithm == "flat":
         return ring(hosts * per_host, nbytes, a_x, b_x, f * step_cpu)
-    w = 1.0 if wire == "float32" else 0.5
+    w = 0.5 if share == 0.5 else 1.0  # what the host gathers: 16-bit sums as they came, others in float32
 
     def inside(b: float) -> float:  # one reduce-scatter or all-gather inside the host
         return (per_host - 1) * (a_in + b / per_host * b_in)
@@ -215,7 +234,8 @@ def main() -> None:
         by[(r["hosts"], r["per_host"], r["algorithm"], r["wire"])].append(r)
     cores = data.get("cores", 2)  # older files: measured on this project's 2-core machines
     fitted_on = {"intra": (1, 2, "flat", "float32"), "inter": (2, 1, "flat", "float32"),
-                 INTER_16[2]: (2, 1, "hierarchical", "bfloat16"), INTER_16_MANY: (4, 1, "hierarchical", "bfloat16")}
+                 INTER_16[2]: (2, 1, "hierarchical", "bfloat16"), INTER_16_MANY: (4, 1, "hierarchical", "bfloat16"),
+                 INTER_8: (2, 1, "hierarchical", "int8")}
     # fitted on the sizes it is judged on: below 1 MiB, Python overheads and TCP behind a token
     # bucket (a 64 KiB all_reduce between two hosts takes 2-6 ms) are no alpha-beta process
     fit_rows = {key: [r for r in by[key] if r["bytes"] >= MIN_BYTES] for key in fitted_on.values()}
@@ -225,7 +245,8 @@ def main() -> None:
         factor = max(1.0, h * p / cores)
         if name in links and factor > 1:
             a, b = links[name]
-            b_net = links["inter"][1] / 2 if name.startswith("inter, 16-bit") else 0.0
+            wire = fitted_on[name][3]
+            b_net = links["inter"][1] * network_share(wire) if wire != "float32" else 0.0
             links[name] = (a, b_net + max(0.0, b - b_net) / factor)
     # one CPU constant per algorithm, each fitted on its own fit-set run at every size (where
     # ranks outnumber cores and steps are small it sets their pace; 8 x 1 flat is measured for
@@ -242,7 +263,7 @@ def main() -> None:
            "| link class | alpha (us) | bandwidth (GB/s) |", "|---|---:|---:|"]
     for name, (a, b) in links.items():
         out.append(f"| {name} | {a * 1e6:.0f} | {1 / b / 1e9:.3f} |")
-    fitted = ", ".join(f"{h} x {p} {alg} {wire}" for h, p, alg, wire in fitted_on.values())
+    fitted = ", ".join(f"{h} x {p} {alg} {wire}" for name, (h, p, alg, wire) in fitted_on.items() if name in links)
     out += ["", "| CPU time per rank and inter-host step | fitted on (every size) | us |", "|---|---|---:|"]
     for alg, (h, p, a, w) in CPU_FITTED_ON.items():
         what = "one flat ring over all ranks" if alg == "flat" else "the hierarchical inter-host groups"
@@ -284,18 +305,20 @@ def main() -> None:
             "(assumed), 8 GPUs per host, NVLink-class inside hosts (150 GB/s, 10 us), no overlap of communication "
             "with compute (conservative)", "",
             "| GPUs | EFA per host | flat (ms) | hierarchical (ms) | hierarchical bf16 wire (ms) | "
-            "efficiency flat | efficiency hierarchical | efficiency hier. bf16 |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+            "hierarchical int8 wire (ms) | efficiency flat | efficiency hierarchical | efficiency hier. bf16 | "
+            "efficiency hier. int8 |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for gbit in (100, 400):
         dc = {"intra": (10e-6, 1 / 150e9), "inter": (20e-6, 8 / (gbit * 1e9))}
         base = {alg: compute + predict(1, 8, alg, grad, dc) for alg in ("flat", "hierarchical")}
         for gpus in (8, 16, 32, 64, 128, 256, 512):
             n = gpus // 8
             t = {"flat": predict(n, 8, "flat", grad, dc), "hierarchical": predict(n, 8, "hierarchical", grad, dc),
-                 "bf16": predict(n, 8, "hierarchical", grad, dc, wire="bfloat16")}
+                 "bf16": predict(n, 8, "hierarchical", grad, dc, wire="bfloat16"),
+                 "int8": predict(n, 8, "hierarchical", grad, dc, wire="int8")}
             eff = {k: base["flat" if k == "flat" else "hierarchical"] / (compute + v) for k, v in t.items()}
             out.append(f"| {gpus} | {gbit} Gbit/s | {t['flat'] * 1e3:.0f} | {t['hierarchical'] * 1e3:.0f} | "
-                       f"{t['bf16'] * 1e3:.0f} | {100 * eff['flat']:.0f}% | {100 * eff['hierarchical']:.0f}% | "
-                       f"{100 * eff['bf16']:.0f}% |")
+                       f"{t['bf16'] * 1e3:.0f} | {t['int8'] * 1e3:.0f} | {100 * eff['flat']:.0f}% | "
+                       f"{100 * eff['hierarchical']:.0f}% | {100 * eff['bf16']:.0f}% | {100 * eff['int8']:.0f}% |")
     out += ["", "For comparison, Herring (SMDDP) reports 85% scaling efficiency for BERT-large on up to 2048 "
             "V100 GPUs over 100 Gbit/s EFA, and Horovod about 90% for ResNet-101 at 512 GPUs."]
     text = "\n".join(out) + "\n"

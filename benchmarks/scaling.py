@@ -118,6 +118,7 @@ def run_one(hosts: int, per_host: int, variant: str, rate: str, steps: int, save
 
 
 BF16 = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16"}
+INT8 = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_INTER_NODE_WIRE_DTYPE": "int8"}
 COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment); the cost model fits the 1-rank-per-host and 1 x 2 runs
     (1, 2, {"SMDDP_ALGORITHM": "flat"}),
     (2, 1, {"SMDDP_ALGORITHM": "flat"}),
@@ -135,6 +136,11 @@ COLLECTIVE_RUNS = [  # (hosts, ranks per host, SMDDP_* environment); the cost mo
     # held out: four inter-host groups share each host's link and cores, as eight GPUs per host do
     # in the extrapolation (4 x 2 has two)
     (2, 4, {"SMDDP_ALGORITHM": "hierarchical"}),
+    # the 8-bit wire: fitted on 2 x 1, judged on the rest
+    (2, 1, INT8),
+    (4, 1, INT8),
+    (2, 2, INT8),
+    (4, 2, INT8),
 ]
 
 

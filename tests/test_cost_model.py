@@ -72,6 +72,26 @@ def test_a_hosts_groups_hide_each_others_latency_on_their_shared_link():
         6 * (0.4e-3 + small / 32 / 0.12e9) + 2 * 7 * small / 8 / 5e9)
 
 
+def test_an_8_bit_wire_sends_a_quarter_and_its_scales_and_gathers_float32_in_the_host():
+    share = 0.25 + 1 / 256  # int8 values and a float32 scale per 256 of them
+    size = 8 * MIB
+    inside = 10e-6 + 0.5 * size / 5e9  # one step of half the message, reduce-scatter and all-gather alike
+    # the extrapolation: no 8-bit class of its own, the float32 link carries the wire's bytes
+    step = max(50e-6 + size / 4 * share / 0.12e9, size / 2 * share / 0.12e9)
+    assert cm.predict(2, 2, "hierarchical", size, LINKS, "int8") == pytest.approx(2 * step + 2 * inside)
+    # a fitted class: its beta beyond the wire's bytes is CPU work, which 4 ranks on 2 cores take twice as long for
+    cpu = 0.1 / 0.12e9
+    links = {**LINKS, cm.INTER_8: (0.0, share / 0.12e9 + cpu)}
+    beta = share / 0.12e9 + 2 * cpu
+    assert cm.predict(2, 2, "hierarchical", size, links, "float8_e4m3fn", cores=2) == pytest.approx(
+        2 * size / 2 * beta + 2 * 2 * inside)  # inside the host: 2 ranks per core
+    # a bfloat16 sum is gathered in bfloat16, an 8-bit one in float32
+    free = {"intra": (0.0, 1 / 5e9), "inter": (0.0, 0.0)}
+    half = 0.5 * size / 5e9
+    assert cm.predict(2, 2, "hierarchical", size, free, "bfloat16") == pytest.approx(half + half / 2)
+    assert cm.predict(2, 2, "hierarchical", size, free, "int8") == pytest.approx(half + half)
+
+
 def test_pipelined_hierarchical_overlaps_the_host_phases_with_the_network():
     one_piece = cm.predict(2, 2, "hierarchical", 16 * MIB, LINKS)
     pieces = cm.predict(2, 2, "hierarchical", 16 * MIB, LINKS, piece=4 * MIB)
@@ -131,11 +151,14 @@ def test_report_fits_each_algorithms_cpu_time_on_its_own_run_and_judges_the_rest
     report = capsys.readouterr().out
     assert "| one flat ring over all ranks | 8 x 1 flat float32 | 300 |" in report
     assert "| the hierarchical inter-host groups | 4 x 1 hierarchical bfloat16 | 490 |" in report
-    assert "worst 0.0%, 40 of 40 within 20%" in report
+    assert "| inter, 8-bit exchange | 1 |" in report  # fitted on 2 x 1 int8
+    assert "worst 0.0%, 55 of 55 within 20%" in report
     judged = [line for line in report.splitlines() if "MiB |" in line]
-    assert not [line for line in judged if line.startswith("| 8 x 1") or line.startswith("| 4 x 1 | hier")]
-    assert len(judged) == 40  # 8 held-out configurations x 5 sizes from 1 MiB, 2 x 4 hierarchical among them
+    assert not [line for line in judged if line.startswith("| 8 x 1") or line.startswith("| 4 x 1 | hierarchical | bf")]
+    assert not [line for line in judged if line.startswith("| 2 x 1 | hierarchical | int8")]
+    assert len(judged) == 55  # 11 held-out configurations x 5 sizes from 1 MiB
     assert len([line for line in judged if line.startswith("| 2 x 4 | hierarchical | float32 |")]) == 5
+    assert len([line for line in judged if "| hierarchical | int8 |" in line]) == 15  # 4 x 1, 2 x 2, 4 x 2
 
 
 def test_report_without_the_flat_cpu_run_says_which_run_to_measure(tmp_path, monkeypatch):
