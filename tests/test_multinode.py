@@ -335,6 +335,22 @@ def test_timed_loop_moves_at_least_timed_bytes_per_size_within_the_cap():
     assert plain.calls(1 << 10) == 20  # without --timed-bytes every size runs -n calls
 
 
+def test_an_8_bit_wire_loosens_the_benchmarks_check_to_two_quantizations_and_nothing_else(monkeypatch):
+    from benchmarks.collectives import Job, count_wrong, quantized_wire_bound
+    job = Job(torch.float32, "float", torch.device("cpu"), 0, 4, 0, "sum", warmup=1, iters=1, check=True)
+    ranks = [{"rank": r, "host": f"h{r // 2}"} for r in range(4)]  # 2 hosts x 2 ranks
+    monkeypatch.setenv("SMDDP_INTER_NODE_WIRE_DTYPE", "int8")
+    # inputs up to 7: host sums up to 14, the total up to 28; half a step of 127 each
+    assert quantized_wire_bound(ranks, job) == pytest.approx((2 * 14 + 28) / 127 / 2)
+    exact = torch.tensor([4.0, 28.0], dtype=torch.float64)
+    assert count_wrong(torch.tensor([4.2, 27.8]), exact, job, quantized_wire_bound(ranks, job)) == 0
+    assert count_wrong(torch.tensor([5.0, 28.0]), exact, job, quantized_wire_bound(ranks, job)) == 1  # off by one
+    # a 16-bit wire, another op or dtype: exact, as before
+    assert quantized_wire_bound(ranks, Job(torch.float32, "float", torch.device("cpu"), 0, 4, 0, "max", 1, 1, True)) is None
+    monkeypatch.setenv("SMDDP_INTER_NODE_WIRE_DTYPE", "bfloat16")
+    assert quantized_wire_bound(ranks, job) is None
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
 def test_collectives_sweep_on_chosen_configurations(tmp_path):
     out = tmp_path / "sweep"
@@ -345,9 +361,11 @@ def test_collectives_sweep_on_chosen_configurations(tmp_path):
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     rows = sweep["rows"]
     assert sweep["burst"] == "1mb" and sweep["rate"] == "1gbit"
-    # the cost model's two 2 x 1 configurations (flat, hierarchical bfloat16), two sizes each
-    assert sorted((r["algorithm"], r["bytes"]) for r in rows) == [
-        ("flat", 65536), ("flat", 131072), ("hierarchical", 65536), ("hierarchical", 131072)]
+    # the cost model's three 2 x 1 configurations (flat; hierarchical with a bfloat16 and an int8
+    # wire, whose results collectives.py checks within the quantization bound), two sizes each
+    assert sorted((r["algorithm"], r["wire"], r["bytes"]) for r in rows) == [
+        ("flat", "float32", 65536), ("flat", "float32", 131072), ("hierarchical", "bfloat16", 65536),
+        ("hierarchical", "bfloat16", 131072), ("hierarchical", "int8", 65536), ("hierarchical", "int8", 131072)]
     assert all(r["hosts"] == 2 and r["per_host"] == 1 and r["time_s"] > 0 for r in rows)
     assert all(r["env"]["SMDDP_INTER_NODE_ACCUMULATE"] == "wire" for r in rows)
     assert all(r["tcp"]["OutSegs"] > 0 and r["tcp"]["RetransSegs"] >= 0 for r in rows)  # each run's own TCP counters
