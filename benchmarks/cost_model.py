@@ -63,10 +63,15 @@ fitted by least squares on the relative error, on messages of 1 MiB and more (be
 costs 0.5-2 ms whatever its size, no alpha-beta process), on the runs that show one class alone: 1
 host x 2 ranks (inside), 2 hosts x 1 rank flat (between), 2 and 4 hosts x 1 rank with a bfloat16
 wire (the two 16-bit algorithms), 2 hosts x 1 rank with an int8 wire (where the sweep has it);
-then the two CPU constants as above. An 8-bit run uses the hierarchical algorithm's CPU constant. Every other run (several
-ranks per host and several hosts) is predicted and its error reported. The fitted form is then
-evaluated with NVLink- and EFA-class constants for 8 to 512 GPUs (8 per host), where a 16-bit wire
-halves the bytes between hosts.
+then the two CPU constants as above. An 8-bit run uses the hierarchical algorithm's CPU constant.
+Every other run (several ranks per host and several hosts) is predicted and its error reported.
+The fitted form is then evaluated with NVLink- and EFA-class constants for 8 to 512 GPUs (8 per
+host), where a 16-bit wire halves the bytes between hosts and an 8-bit one sends 0.254 of them.
+
+The 8-bit class is the weakest: on 2 hosts x 1 rank its fitted bandwidth comes out above what the
+link allows for its bytes, so the quantizer's CPU time lands in the class's latency, which the
+model does not scale for ranks sharing cores; with two ranks per host on 2 cores it predicts
+about 40% too little (benchmarks/results/2026-11-28-cost_model-8-bit-wire.md).
 
     python -m benchmarks.scaling --collectives --repeat 3 --out benchmarks/results/DATE-collectives-1gbit
     python benchmarks/cost_model.py benchmarks/results/DATE-collectives-1gbit.json --piece-bytes 4194304
