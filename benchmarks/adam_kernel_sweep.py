@@ -59,7 +59,7 @@ def main() -> None:
             for write in (True, False):
                 name = f"update BLOCK={block} warps={warps}{'' if write else ' no-grad-write'}"
                 variants[name] = (32 if write else 28, lambda b=block, w=warps, u=not write: adam_step(
-                    param, grad, exp_avg, exp_avg_sq, unit_scale=u, block=b, num_warps=w, force_triton=True, **hyper))
+                    param, grad, exp_avg, exp_avg_sq, write_grad=not u, block=b, num_warps=w, force_triton=True, **hyper))
     buckets = list(grad.chunk(args.buckets))
     variants[f"norms vector_norm+square x {len(buckets)}"] = (
         4, lambda: [torch.linalg.vector_norm(b).square() for b in buckets])

@@ -210,6 +210,15 @@ class CompileConfig:
     """Clip the global gradient 2-norm to this value; None disables clipping.
     Env: ``SMDDP_MAX_GRAD_NORM``."""
 
+    write_back_grads: bool = False
+    """Leave ``.grad`` unscaled and clipped after ``step()``, as GradScaler.unscale_ and
+    clip_grad_norm_ (or torch's fused optimizers given a loss scale) leave it. It costs one more
+    write of every gradient in the step: 4 of the 28 bytes an AdamW step moves per float32
+    parameter on a GPU. Off, the fused GPU kernels leave ``.grad`` as backward left it (averaged,
+    loss-scaled, unclipped), and ``optimizer.last_grad_norm`` holds the norm clipping used, as
+    clip_grad_norm_ returns it; on the CPU torch's fused kernels unscale and clip ``.grad`` in the
+    same pass either way. Env: ``SMDDP_WRITE_BACK_GRADS``."""
+
     shard_optimizer_state: bool = False
     """Each rank keeps and updates only its 1/world share of every bucket (optimizer state,
     update and reduced gradient), as ZeRO stage 1 does: gradients are reduce-scattered and the
@@ -266,6 +275,7 @@ ENV_VARS: dict[str, tuple[tuple[str, str], ...]] = {
     "SMDDP_WIRE_BLOCK": (("compile", "wire_block"),),
     "SMDDP_MAX_GRAD_NORM": (("compile", "max_grad_norm"),),
     "SMDDP_BROADCAST_BUFFERS": (("compile", "broadcast_buffers"),),
+    "SMDDP_WRITE_BACK_GRADS": (("compile", "write_back_grads"),),
     "SMDDP_SHARD_OPTIMIZER_STATE": (("compile", "shard_optimizer_state"),),
 }
 

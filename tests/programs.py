@@ -836,9 +836,10 @@ def _summary() -> dict:
 
 
 def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float | None = None, width: int = 64,
-                    bucket_cap_mb: float = 0.01) -> dict:
+                    bucket_cap_mb: float = 0.01, finish_on_completion: bool = False) -> dict:
     """smddp_lite.compile against DDP + torch.optim.AdamW on the same per-rank batches; a hidden
-    layer of ``width`` units, buckets of ``bucket_cap_mb``."""
+    layer of ``width`` units, buckets of ``bucket_cap_mb``. ``finish_on_completion``: take each
+    bucket's norm from its collective's future, as on CUDA."""
     import copy
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -854,6 +855,7 @@ def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float 
                                                                              weight_decay=0.01),
                                          bucket_cap_mb=bucket_cap_mb, first_bucket_mb=0.001, wire_dtype=wire_dtype,
                                          max_grad_norm=clip)
+    compiled.reducer.finish_on_completion = finish_on_completion
     teacher = torch.randn(33, 5, generator=torch.Generator().manual_seed(7))  # a learnable labelling
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     losses = {"eager": [], "compiled": []}
@@ -871,7 +873,8 @@ def compiled_parity(steps: int = 10, wire_dtype: str | None = None, clip: float 
     diff = max(float((a - b).abs().max()) for a, b in zip(eager_module.parameters(), compiled_module.parameters()))
     scale = max(float(p.abs().max()) for p in eager_module.parameters())
     dist.destroy_process_group()
-    return {"max_diff": diff, "max_abs": scale, "losses": losses, "buckets": len(opt_c.buckets)}
+    return {"max_diff": diff, "max_abs": scale, "losses": losses, "buckets": len(opt_c.buckets),
+            "arenas": len(opt_c.arenas)}
 
 
 def compiled_wire_bytes(wire_dtype: str | None, steps: int = 3) -> dict:

@@ -126,6 +126,9 @@ def state_sizes(family: str = "adamw", width: int = 1000) -> dict:
         opt.step()
         moments = opt.state_bytes() - sum(t.numel() * t.element_size() for t in opt.steps)
         sizes["sharded" if sharded else "unsharded"] = moments
+        if not sharded:  # the zeros between an arena's buckets, in each state tensor
+            gaps = sum(a.numel - sum(b.padded_numel for b in a.buckets) for a in opt.arenas)
+            sizes["alignment"] = gaps * 4 * len(opt.flat_state[0])
         if sharded:
             padding = max(b.padded_numel - b.numel for b in opt.buckets) * 4 * len(opt.flat_state[0])
     plain_module = _model(width=width)

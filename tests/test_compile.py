@@ -145,11 +145,14 @@ def test_user_unscale_before_step_with_max_grad_norm_clips_the_unscaled_norm():
 @pytest.mark.parametrize("name", ["adamw", "adam_l2", "sgd_momentum"])
 @pytest.mark.parametrize("scaled, clip", [(True, None), (False, 0.3), (True, 0.3), (False, None)],
                          ids=["scaler", "clip", "scaler+clip", "neither"])
-def test_grads_after_step_are_unscaled_and_clipped_as_torchs(monkeypatch, path, name, scaled, clip):
-    """After step() ``.grad`` holds what a torch.optim script leaves there: unscaled
-    (GradScaler.unscale_, or torch's fused step given grad_scale) and clipped (clip_grad_norm_).
-    ``triton``: the fused kernels run the compiled step (in Triton's interpreter without a GPU),
-    as they do on CUDA; they left the gradient scaled."""
+@pytest.mark.parametrize("write_back", [True, False], ids=["write_back", "no_write_back"])
+def test_grads_after_step_are_unscaled_and_clipped_as_torchs_when_asked(monkeypatch, path, name, scaled, clip,
+                                                                        write_back):
+    """With ``write_back_grads=True``, after step() ``.grad`` holds what a torch.optim script
+    leaves there: unscaled (GradScaler.unscale_, or torch's fused step given grad_scale) and
+    clipped (clip_grad_norm_). Without it the fused kernels (``triton``: in Triton's interpreter
+    without a GPU, as on CUDA) leave ``.grad`` as backward left it, while torch's fused CPU
+    kernels (``cpu``) unscale and clip it in the same pass either way; the update is the same."""
     if path == "triton":
         pytest.importorskip("triton")
         for module in ("adam", "sgd"):
@@ -158,9 +161,11 @@ def test_grads_after_step_are_unscaled_and_clipped_as_torchs(monkeypatch, path, 
     model = copy.deepcopy(eager)
     make = OPTIMIZERS[name]
     opt_e = make(eager.parameters())
-    compiled, opt_c = smddp_lite.compile(model, make(model.parameters()), max_grad_norm=clip)
+    compiled, opt_c = smddp_lite.compile(model, make(model.parameters()), max_grad_norm=clip,
+                                         write_back_grads=write_back)
     scaler_e, scaler_c = (torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=scaled) for _ in range(2))
     losses = {"eager": [], "compiled": []}
+    as_backward_left = []
     for step, (x, y) in enumerate(_batches(3)):
         for net, opt, scaler, clips in ((eager, opt_e, scaler_e, clip), (compiled, opt_c, scaler_c, None)):
             loss = torch.nn.functional.cross_entropy(net(x), y)
@@ -169,15 +174,42 @@ def test_grads_after_step_are_unscaled_and_clipped_as_torchs(monkeypatch, path, 
             if clips is not None:
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(net.parameters(), clips, foreach=True)
+            if net is compiled:
+                as_backward_left = [p.grad.clone() for p in net.parameters()]
             scaler.step(opt)
             scaler.update()
-        for (pname, a), b in zip(compiled.module.named_parameters(), eager.parameters()):
+        torchs = write_back or path == "cpu"
+        for (pname, a), b, left in zip(compiled.module.named_parameters(), eager.parameters(), as_backward_left):
             # float32; 1/scale multiplies where torch divides, and the clipping coefficient
             # comes from a norm summed in another order: ulps
-            torch.testing.assert_close(a.grad, b.grad, rtol=2e-5, atol=1e-7, msg=lambda m: f"step {step} {pname}: {m}")
+            torch.testing.assert_close(a.grad, b.grad if torchs else left, rtol=2e-5, atol=1e-7,
+                                       msg=lambda m: f"step {step} {pname}: {m}")
         opt_e.zero_grad()
         opt_c.zero_grad()
     _compare(compiled, eager, losses["compiled"], losses["eager"])
+
+
+def test_last_grad_norm_is_clip_grad_norm_s_and_each_step_keeps_its_own():
+    """``optimizer.last_grad_norm`` is the unscaled global norm clipping used, as
+    clip_grad_norm_ returns it, and a norm kept from one step is not overwritten by the next."""
+    eager = _model()
+    model = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=3e-3)
+    compiled, opt_c = smddp_lite.compile(model, torch.optim.AdamW(model.parameters(), lr=3e-3), max_grad_norm=0.3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    kept, expected = [], []
+    for x, y in _batches(3):
+        torch.nn.functional.cross_entropy(eager(x), y).backward()
+        expected.append(torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.3))
+        opt_e.step()
+        opt_e.zero_grad()
+        scaler.scale(torch.nn.functional.cross_entropy(compiled(x), y)).backward()
+        scaler.step(opt_c)
+        scaler.update()
+        opt_c.zero_grad()
+        kept.append(opt_c.last_grad_norm)
+    # the gradients of a loss scaled by a power of two, unscaled: float32 rounding of the norm
+    torch.testing.assert_close(torch.cat(kept), torch.stack(expected), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", ["adamw", "adam_l2", "sgd_nesterov"])
@@ -681,3 +713,48 @@ def test_train_step_benchmark_runs_on_cpu_and_its_three_ways_agree(tmp_path):
     losses = [r["final_loss"] for r in rows.values()]
     assert max(losses) - min(losses) < 0.02 * max(losses), rows
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops run inside it: on a GPU each is a launch (or a host-side view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaler", "no_scaler"])
+def test_the_step_s_launches_do_not_grow_with_the_number_of_buckets(name, scaled):
+    """One update per param group (its buckets share one arena) and one launch for the step's
+    scalars: a step over 5 buckets runs the same ops as over 1, and clipping reads the norms
+    backward took, not the gradients."""
+    counts, buckets = [], []
+    for cap in (1e-6, 100.0):  # every parameter its own bucket; one bucket for all
+        model = _model()
+        compiled, opt = smddp_lite.compile(model, OPTIMIZERS[name](_groups(model)), max_grad_norm=0.3,
+                                           bucket_cap_mb=cap, first_bucket_mb=cap)
+        scaler = torch.amp.GradScaler("cpu", init_scale=64.0, enabled=scaled)
+        for step, (x, y) in enumerate(_batches(3)):
+            scaler.scale(torch.nn.functional.cross_entropy(compiled(x), y)).backward()
+            if step == 2:
+                opt.grad_scale = scaler._scale if scaled else None  # what GradScaler.step hands over
+                opt.found_inf = torch.zeros(1) if scaled else None
+                with _CountOps() as mode:
+                    opt.step()
+                counts.append(sorted(mode.ops))
+                del opt.grad_scale, opt.found_inf
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+        buckets.append(len(opt.buckets))
+        assert len(opt.arenas) == 2  # the two param groups
+    assert buckets[0] == 6 and buckets[1] == 2, buckets
+    assert counts[0] == counts[1], counts
+    # the norm of the buckets' norms (the CPU's torch ops for the scalars' launch), no bucket's
+    assert sum("linalg_vector_norm" in op for op in counts[0]) == 1, counts[0]

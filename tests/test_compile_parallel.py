@@ -9,11 +9,16 @@ from . import harness
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("wire, clip", [(None, None), (None, 0.5), ("bfloat16", 0.5)])
-def test_compiled_matches_ddp(world, wire, clip):
-    results = harness.values(harness.launch("tests.programs:compiled_parity", world, wire_dtype=wire, clip=clip))
+@pytest.mark.parametrize("wire, clip, on_completion", [(None, None, False), (None, 0.5, False),
+                                                       ("bfloat16", 0.5, False), ("bfloat16", 0.5, True)],
+                         ids=["float32", "float32-clip", "bfloat16-clip", "bfloat16-clip-on-completion"])
+def test_compiled_matches_ddp(world, wire, clip, on_completion):
+    """``on_completion``: each bucket's copy back from the wire and norm run as its collective's
+    future's callback (CUDA's way, forced on CPU tensors), not after backward."""
+    results = harness.values(harness.launch("tests.programs:compiled_parity", world, wire_dtype=wire, clip=clip,
+                                            finish_on_completion=on_completion))
     for rank, r in enumerate(results):
-        assert r["buckets"] > 1, r
+        assert r["buckets"] > 1 and r["arenas"] == 1, r
         if wire is None:
             # float32: the fused update orders its arithmetic differently from torch's AdamW (a few
             # ulps per step, as on one rank); with 3 ranks the average also differs (DDP divides

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from smddp_lite.kernels import adam_reference, adam_step, sgd_reference, sgd_step
+from smddp_lite.kernels import adam_reference, adam_step, sgd_reference, sgd_step, step_scalars, step_scalars_reference
+from smddp_lite.kernels._launch import torch_fused_cpu
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,27 +94,33 @@ def test_sgd_kernel_matches_reference(dtype, n, momentum, dampening, nesterov, s
 
 @pytest.mark.parametrize("family", ["adamw", "sgd_momentum"])
 @pytest.mark.parametrize("force_triton", [True, False, None], ids=["kernel", "reference", "cpu-path"])
-def test_unit_scale_leaves_the_gradient_unwritten_and_the_update_unchanged(family, force_triton):
-    """unit_scale (no loss scale, no clipping: scale is 1) skips the gradient's write-back, which
-    would write what is there; the update is the one a written-back step of scale 1 makes."""
+def test_write_grad_changes_only_the_gradient(family, force_triton):
+    """write_grad=False leaves the gradient as it was (the kernel and the reference), and the
+    update is the one a written-back step makes; torch's fused CPU kernels (``cpu-path``) write
+    the unscaled gradient in the same pass whichever is asked."""
     if force_triton is None and DEVICE != "cpu":
         pytest.skip("the CPU path (torch's fused kernels) serves CPU tensors")
     p, g, m, v = _streams(1823, torch.bfloat16, 4, seed=9)
     g_before = g.clone()
     runs = []
-    for unit_scale in (True, False):
+    for write_grad in (False, True):
         state = [t.clone() for t in (p, g, m, v)]
-        scalars = _scalars(3.0, scale=1.0)
+        scalars = _scalars(3.0, scale=0.5)
         if family == "adamw":
             adam_step(*state, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
-                      unit_scale=unit_scale, force_triton=force_triton, **scalars)
+                      write_grad=write_grad, force_triton=force_triton, **scalars)
         else:
             sgd_step(state[0], state[1], state[2], momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False,
-                     unit_scale=unit_scale, force_triton=force_triton, **scalars)
+                     write_grad=write_grad, force_triton=force_triton, **scalars)
         runs.append(state)
-    for unit, written in zip(*runs):
-        assert torch.equal(unit, written)
-    assert torch.equal(runs[0][1], g_before)
+    for i, (unwritten, written) in enumerate(zip(*runs)):
+        if i != 1:  # parameter and state
+            assert torch.equal(unwritten, written)
+    halved = (g_before.float() * 0.5).to(g_before.dtype)
+    assert torch.equal(runs[1][1], halved)
+    op = "_fused_adamw_" if family == "adamw" else "_fused_sgd_"
+    torchs_kernel = force_triton is None and torch_fused_cpu(torch.device(DEVICE), op, torch.bfloat16)
+    assert torch.equal(runs[0][1], halved if torchs_kernel else g_before)
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
@@ -219,3 +226,31 @@ def test_tensor_betas_update_as_number_betas(use_kernel):
               **hyper)
     for got, want in zip(tensors, numbers):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("n", [1, 49, 2500])  # 2500: more norms than one block of the kernel reads
+@pytest.mark.parametrize("grad_scale, found_inf, max_norm", [(None, None, None), (1024.0, 0.0, 1.0),
+                                                             (8.0, 1.0, 0.3), (None, None, 1e6), (None, 0.0, 0.3)])
+def test_step_scalars_kernel_matches_reference(n, grad_scale, found_inf, max_norm):
+    """The one-launch scalars: multiplier, found_inf, the unscaled global norm (clip_grad_norm_'s)
+    and whether the step counts, against the torch ops they replace."""
+    pytest.importorskip("triton")
+    norms = torch.rand(n, generator=torch.Generator().manual_seed(n)).to(DEVICE) * 3
+    as_tensor = lambda x: None if x is None else torch.tensor([x], device=DEVICE)  # noqa: E731
+    got = step_scalars(norms, as_tensor(grad_scale), as_tensor(found_inf), max_norm,
+                       torch.zeros(4, device=DEVICE), force_triton=True)
+    want = step_scalars_reference(norms, as_tensor(grad_scale), as_tensor(found_inf), max_norm,
+                                  torch.zeros(4, device=DEVICE))
+    # the norm's sum of squares in another order: float32 ulps
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+    inv = 1.0 / (grad_scale or 1.0)
+    norm = float(norms.double().norm()) * inv
+    multiplier = inv * (min(max_norm / (norm + 1e-6), 1.0) if max_norm is not None else 1.0)
+    inf = found_inf or 0.0
+    expected = [multiplier, inf, norm if max_norm is not None else 0.0, 1.0 - inf]
+    torch.testing.assert_close(got.double().cpu(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+def test_step_scalars_refuses_a_wrong_output():
+    with pytest.raises(ValueError, match="out must be 4 contiguous elements of torch.float32"):
+        step_scalars(torch.ones(3), None, None, None, torch.zeros(3))

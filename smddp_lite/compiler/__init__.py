@@ -39,7 +39,8 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
             the state carries over). Use the returned optimizer from now on; the one passed in
             is left behind.
         **options: ``bucket_cap_mb``, ``first_bucket_mb``, ``wire_dtype``, ``wire_block``,
-            ``max_grad_norm``, ``shard_optimizer_state``, ``broadcast_buffers``, ``debug`` (see ``smddp_lite.config.CompileConfig``); ``SMDDP_*`` variables set defaults.
+            ``max_grad_norm``, ``write_back_grads``, ``shard_optimizer_state``,
+            ``broadcast_buffers``, ``debug`` (see ``smddp_lite.config.CompileConfig``); ``SMDDP_*`` variables set defaults.
 
     Returns:
         ``(model, optimizer)`` used like a DDP model and a torch optimizer: forward, backward
@@ -89,10 +90,10 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
     quantized = config.wire_dtype in QUANTIZED_WIRE_DTYPES
     # an 8-bit wire cuts each bucket into one piece of whole blocks per rank
     pad_to = world if shard is not None else world * config.wire_block if quantized and wire is not None else 1
-    materialize(buckets, pad_to=pad_to, wire_dtype=None if quantized else wire)
+    arenas = materialize(buckets, pad_to=pad_to, wire_dtype=None if quantized else wire)
     if world > 1:  # start every rank from rank 0's weights, as DDP does, frozen ones included
-        for b in buckets:
-            dist.broadcast(b.param_flat, src=0)
+        for arena in arenas:
+            dist.broadcast(arena.param_flat, src=0)
         with torch.no_grad():
             for p in model.parameters():
                 if not p.requires_grad:
@@ -107,11 +108,12 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
     reducer = GradReducer(buckets, group, world, want_norm=config.max_grad_norm is not None, shard=shard,
                           gathers=gathers, quantized=wires)
     _ATTACHED[model] = [reducer] + ([gathers] if gathers is not None else [])
-    compiled_optimizer = CompiledOptimizer(optimizer, family, buckets, reducer, config.max_grad_norm, gathers, state)
+    compiled_optimizer = CompiledOptimizer(optimizer, family, arenas, reducer, config.max_grad_norm, gathers, state,
+                                           write_back_grads=config.write_back_grads)
     if config.debug and (group is None or dist.get_rank() == 0):
         names = {id(p): n for n, p in model.named_parameters()}
-        log.info("smddp_lite.compile: %s, %d buckets, world size %d, wire dtype %s, clipping %s, %s\n%s",
-                 type(optimizer).__name__, len(buckets), world, config.wire_dtype or "as parameters",
+        log.info("smddp_lite.compile: %s, %d buckets in %d update arenas, world size %d, wire dtype %s, clipping %s, %s\n%s",
+                 type(optimizer).__name__, len(buckets), len(arenas), world, config.wire_dtype or "as parameters",
                  config.max_grad_norm, "optimizer state sharded" if shard is not None else "optimizer state on every rank",
                  describe(buckets, names, wires))
     return CompiledModel(model, reducer, config.broadcast_buffers, gathers), compiled_optimizer

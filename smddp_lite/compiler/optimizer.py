@@ -1,4 +1,9 @@
-"""The optimizer ``compile`` returns: a torch.optim.Optimizer whose step is one fused kernel per bucket.
+"""The optimizer ``compile`` returns: a torch.optim.Optimizer whose step is one fused kernel per arena.
+
+An arena (``buckets.Arena``) holds every bucket of one param group, device and dtype side by
+side, so the update launches once per arena, however many buckets the collectives use, and the
+step's scalars (loss scale, found_inf, clipping coefficient, the global norm) come from one
+more launch that reads the buckets' norms, taken when their reductions completed.
 
 Its param_groups are torch's (LR schedulers work unchanged), and ``state_dict()`` /
 ``load_state_dict()`` speak torch.optim's format, so a checkpoint loads into plain AdamW/SGD and
@@ -8,7 +13,8 @@ back. Internally each state tensor is a view into a flat per-bucket buffer the k
 torch.distributed.checkpoint asks a checkpoint for it.
 
 Sharded (``shard_optimizer_state``), the flat state holds only this rank's share of each bucket,
-the kernel updates that share, and the updated shares are gathered back (``sharding``).
+the kernel updates that share (one launch per bucket: the shares are not contiguous), and the
+updated shares are gathered back (``sharding``).
 ``optimizer.state`` then stays empty; ``state_dict()`` gathers the full state onto every rank
 (a collective: every rank calls it) and ``load_state_dict()`` keeps this rank's share of a full one.
 """
@@ -21,9 +27,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..kernels import adam_step, sgd_step
+from ..kernels import adam_step, sgd_step, step_scalars
 from ..kernels._launch import arithmetic_dtype
-from .buckets import Bucket
+from ..kernels.step_scalars import COUNTS, FOUND_INF, GRAD_NORM, MULTIPLIER
+from .buckets import Arena, Bucket
 from .reducer import GradReducer
 from .sharding import ALL_GATHER, ParameterGathers, Shard, check_every_rank_calls
 
@@ -99,38 +106,45 @@ _STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_
 class CompiledOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale/found_inf instead of unscaling
 
-    def __init__(self, inner: torch.optim.Optimizer, family: str, buckets: list[Bucket], reducer: GradReducer,
+    def __init__(self, inner: torch.optim.Optimizer, family: str, arenas: list[Arena], reducer: GradReducer,
                  max_grad_norm: float | None, gathers: ParameterGathers | None = None,
-                 state: dict | None = None) -> None:
-        """``state``: torch-format state to start from (``torch_state(inner)``); default ``inner.state``."""
+                 state: dict | None = None, write_back_grads: bool = False) -> None:
+        """``state``: torch-format state to start from (``torch_state(inner)``); default ``inner.state``.
+        ``write_back_grads``: leave ``.grad`` unscaled and clipped (``CompileConfig``)."""
         # the wrapped optimizer's own group dicts, not copies: an LR scheduler made before compile
         # (on the optimizer passed in) edits them, and must drive these steps
         super().__init__(inner.param_groups, inner.defaults)
         self._inner = weakref.ref(inner)
-        self.family, self.buckets, self.reducer, self.max_grad_norm = family, buckets, reducer, max_grad_norm
-        self.gathers = gathers
+        self.family, self.arenas, self.reducer, self.max_grad_norm = family, arenas, reducer, max_grad_norm
+        self.buckets = reducer.buckets
+        self.gathers, self.write_back_grads = gathers, write_back_grads
         # GradScaler sets self.grad_scale and self.found_inf before step() and deletes them after
         self.last_grad_norm: torch.Tensor | None = None  # unscaled global norm of the last step
         keys = self._state_keys()
-        # flat state per bucket and key (the whole bucket, or this rank's share of it), and a step
-        # counter per bucket (device tensors)
-        self.flat_state = [{k: torch.zeros_like(Shard.part(self.shard, b, b.param_flat)) for k in keys}
-                           for b in buckets]
-        # scalars in the update's arithmetic dtype: float32, float64 for float64 parameters
-        self.steps = [torch.zeros(1, dtype=arithmetic_dtype(b.dtype), device=b.device) for b in buckets]
+        # flat state per arena and key, whose slices are each bucket's (sharded: per bucket,
+        # this rank's share of it, and no arena state)
+        self.arena_state = [{k: torch.zeros_like(a.param_flat) for k in keys} for a in arenas] \
+            if self.shard is None else None
+        self.flat_state = [{k: arenas[b.arena].part(v, b) for k, v in self.arena_state[b.arena].items()}
+                           if self.shard is None else
+                           {k: torch.zeros_like(Shard.part(self.shard, b, b.param_flat)) for k in keys}
+                           for b in self.buckets]
+        # a step counter per arena (a device tensor), in the update's arithmetic dtype: float32,
+        # float64 for float64 parameters
+        self.steps = [torch.zeros(1, dtype=arithmetic_dtype(a.dtype), device=a.device) for a in arenas]
         # whether torch would keep state for a bucket's parameters yet, known on the host so that
         # publishing the state never waits on the device: after any Adam step (a skipped one
         # too), after SGD's first step with momentum
-        self._has_state = [False] * len(buckets)
-        self._lr = {(b.device, arithmetic_dtype(b.dtype)): [
-            torch.zeros(1, dtype=arithmetic_dtype(b.dtype), device=b.device) for _ in self.param_groups]
-            for b in buckets}
-        # the loss scale and clipping coefficient are worked out once, in float64 if any update is
-        self._multiplier_dtype = max((arithmetic_dtype(b.dtype) for b in buckets), key=lambda d: d.itemsize,
-                                     default=torch.float32)
+        self._has_state = [False] * len(self.buckets)
+        # each group's learning rate on each (device, arithmetic dtype), and the value last
+        # written there: a fill is a launch, made only when the value changes
+        self._lr = {(a.device, arithmetic_dtype(a.dtype)): [
+            torch.zeros(1, dtype=arithmetic_dtype(a.dtype), device=a.device) for _ in self.param_groups]
+            for a in arenas}
+        self._lr_written: dict[tuple, float] = {}
         self._import(inner.state if state is None else state)
         # parameters the optimizer holds that were frozen at compile time: no bucket holds them
-        bucketed = {id(p) for b in buckets for p in b.params}
+        bucketed = {id(p) for b in self.buckets for p in b.params}
         self._frozen = [p for g in self.param_groups for p in g["params"] if id(p) not in bucketed]
         self._compiled = True
 
@@ -149,7 +163,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (moments or momentum, and step counters)."""
-        return sum(t.numel() * t.element_size() for flat in self.flat_state for t in flat.values()) + \
+        flats = self.arena_state if self.arena_state is not None else self.flat_state
+        return sum(t.numel() * t.element_size() for flat in flats for t in flat.values()) + \
             sum(t.numel() * t.element_size() for t in self.steps)
 
     def _state_keys(self) -> tuple[str, ...]:
@@ -171,44 +186,65 @@ class CompiledOptimizer(torch.optim.Optimizer):
             inner._opt_called = True
         if self.gathers is not None:  # the last step's gathers still write into the parameters
             self.gathers.wait_all()
-        scale, found_inf = self._grad_multiplier()
-        # known on the host: without a loss scale or clipping the gradient is left as it is (with
-        # either, the update writes it back unscaled and clipped, as torch's fused steps and
-        # GradScaler.unscale_ + clip_grad_norm_ leave .grad)
+        scalars = self._step_scalars()
+        # without a loss scale or clipping the multiplier is 1, and writing the gradient back
+        # would write what is there (a host-side fact: reading the multiplier would wait)
         unit_scale = getattr(self, "grad_scale", None) is None and self.max_grad_norm is None
-        # sharded, the last buckets (the first layers) go first: their gathers are the first the
-        # next forward waits for
-        order = range(len(self.buckets)) if self.shard is None else reversed(range(len(self.buckets)))
-        for b, state, step in ((self.buckets[i], self.flat_state[i], self.steps[i]) for i in order):
-            group = self.param_groups[b.group]
-            compute = arithmetic_dtype(b.dtype)
-            lr = self._lr[(b.device, compute)][b.group]
-            lr.copy_(group["lr"]) if torch.is_tensor(group["lr"]) else lr.fill_(group["lr"])
+        write_grad = self.write_back_grads and not unit_scale
+        hyper = []  # per arena: the update's keyword arguments
+        for arena, step in zip(self.arenas, self.steps):
+            group = self.param_groups[arena.group]
+            compute = arithmetic_dtype(arena.dtype)
+            mine = scalars if scalars.dtype == compute else scalars.to(compute)
             # a skipped step does not count. SGD counts only steps with momentum: its first such
             # step starts the buffer at the gradient (torch's rule), also when a scheduler turns
             # momentum on mid-run
             if self.family != "sgd" or group["momentum"] != 0:
-                step.add_(1.0 - found_inf.to(step.device, compute))
-                if not self._has_state[b.index]:
-                    self._has_state[b.index] = True
-                    self._publish_state(b)
-            common = dict(lr=lr, step=step, scale=scale.to(b.device, compute),
-                          found_inf=found_inf.to(b.device, compute), unit_scale=unit_scale)
-            params, grads = Shard.part(self.shard, b, b.param_flat), Shard.part(self.shard, b, b.grad_flat)
-            if self.gathers is not None:
-                self.gathers.before_update(b)
-            if self.family == "sgd":
-                sgd_step(params, grads, state.get("momentum_buffer"), momentum=group["momentum"],
-                         dampening=group["dampening"], weight_decay=group["weight_decay"],
-                         nesterov=group["nesterov"], **common)
-            else:
-                beta1, beta2 = group["betas"]
-                adam_step(params, grads, state["exp_avg"], state["exp_avg_sq"], beta1=beta1,
-                          beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                          decoupled=self.family == "adamw", **common)
-            if self.gathers is not None:
-                self.gathers.launch(b)
+                step.add_(mine[COUNTS:COUNTS + 1])
+                for b in arena.buckets:
+                    if not self._has_state[b.index]:
+                        self._has_state[b.index] = True
+                        self._publish_state(b)
+            hyper.append(dict(lr=self._lr_tensor(arena, group["lr"]), step=step, write_grad=write_grad,
+                              scale=mine[MULTIPLIER:MULTIPLIER + 1], found_inf=mine[FOUND_INF:FOUND_INF + 1]))
+        if self.shard is None:
+            for arena, state, common in zip(self.arenas, self.arena_state, hyper):
+                self._update(arena.group, arena.param_flat, arena.grad_flat, state, common)
+            return loss
+        # sharded, the last buckets (the first layers) go first: their gathers are the first the
+        # next forward waits for
+        for b in reversed(self.buckets):
+            self.gathers.before_update(b)
+            self._update(b.group, self.shard.of(b, b.param_flat), self.shard.of(b, b.grad_flat),
+                         self.flat_state[b.index], hyper[b.arena])
+            self.gathers.launch(b)
         return loss
+
+    def _update(self, group_index: int, params: torch.Tensor, grads: torch.Tensor, state: dict,
+                common: dict) -> None:
+        """One fused launch over flat ``params`` (an arena, or a bucket's share)."""
+        group = self.param_groups[group_index]
+        if self.family == "sgd":
+            sgd_step(params, grads, state.get("momentum_buffer"), momentum=group["momentum"],
+                     dampening=group["dampening"], weight_decay=group["weight_decay"],
+                     nesterov=group["nesterov"], **common)
+        else:
+            beta1, beta2 = group["betas"]
+            adam_step(params, grads, state["exp_avg"], state["exp_avg_sq"], beta1=beta1,
+                      beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                      decoupled=self.family == "adamw", **common)
+
+    def _lr_tensor(self, arena: Arena, lr) -> torch.Tensor:
+        """The group's learning rate as a device tensor, written only when it changed."""
+        key = (arena.device, arithmetic_dtype(arena.dtype))
+        tensor = self._lr[key][arena.group]
+        if torch.is_tensor(lr):
+            tensor.copy_(lr)
+            self._lr_written.pop((key, arena.group), None)
+        elif self._lr_written.get((key, arena.group)) != lr:
+            tensor.fill_(lr)
+            self._lr_written[(key, arena.group)] = lr
+        return tensor
 
     def _check_still_frozen(self) -> None:
         """A parameter frozen at compile time that now has a gradient was unfrozen: torch.optim
@@ -220,28 +256,26 @@ class CompiledOptimizer(torch.optim.Optimizer):
                     "model was compiled and now has a gradient; its gradient is not all-reduced and the compiled "
                     "step does not update it. Call smddp_lite.compile again after changing requires_grad")
 
-    def _grad_multiplier(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(1 / loss scale x clipping coefficient, found_inf) as device tensors (float32, or
-        float64 when some parameters are)."""
-        device = self.buckets[0].device if self.buckets else torch.device("cpu")
-        dtype = self._multiplier_dtype
+    def _step_scalars(self) -> torch.Tensor:
+        """(4,) device tensor ``[multiplier, found_inf, global norm, 1 - found_inf]``
+        (``kernels.step_scalars``): the multiplier is 1 / loss scale x clipping coefficient, in
+        float32, or float64 when some parameters are. One launch; nothing waits on the host."""
+        norms = self.reducer.norms
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        user_unscaled = grad_scale is None and found_inf is not None
-        inv_scale = (torch.ones(1, device=device, dtype=dtype) if grad_scale is None
-                     else grad_scale.to(device, dtype).reciprocal().reshape(1))
-        found_inf = (torch.zeros(1, device=device, dtype=dtype) if found_inf is None
-                     else found_inf.to(device, dtype).reshape(1))
-        if self.max_grad_norm is None:
-            return inv_scale, found_inf
-        # gradients changed in place since backward took their norms: take those buckets' norms
-        # again (one more read of each). GradScaler passes found_inf without grad_scale after the
-        # user's own scaler.unscale_(optimizer), whose in-place kernel leaves tensors' version
-        # counters as they were; other in-place edits (p.grad.div_(n)) are found by theirs.
-        self.reducer.remeasure_changed_norms(every_bucket=user_unscaled)
-        self.last_grad_norm = self.reducer.grad_norm().to(device) * inv_scale
-        # torch.nn.utils.clip_grad_norm_'s coefficient, kept on the device
-        coef = (self.max_grad_norm / (self.last_grad_norm + 1e-6)).clamp(max=1.0)
-        return inv_scale * coef, found_inf
+        if self.max_grad_norm is not None:
+            # gradients changed in place since backward took their norms: take those buckets'
+            # norms again (one more read of each). GradScaler passes found_inf without grad_scale
+            # after the user's own scaler.unscale_(optimizer), whose in-place kernel leaves
+            # tensors' version counters as they were; other in-place edits (p.grad.div_(n)) are
+            # found by theirs.
+            self.reducer.remeasure_changed_norms(every_bucket=grad_scale is None and found_inf is not None)
+            norms = self.reducer.global_norms()
+        # a fresh tensor per step (an allocation, not a launch): last_grad_norm views it
+        scalars = step_scalars(norms, grad_scale, found_inf, self.max_grad_norm,
+                               torch.empty(4, dtype=norms.dtype, device=norms.device))
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = scalars[GRAD_NORM:GRAD_NORM + 1]
+        return scalars
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buckets in place (one fill per bucket). Gradients stay allocated,
@@ -299,7 +333,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
         check_every_rank_calls(what, self.shard.world, self.shard.rank)
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         entries = {}
-        for b, flat, step in zip(self.buckets, self.flat_state, self.steps):
+        for b, flat in zip(self.buckets, self.flat_state):
+            step = self.steps[b.arena]
             if not self._has_state[b.index]:
                 continue
             full = {}
@@ -351,7 +386,7 @@ class CompiledOptimizer(torch.optim.Optimizer):
         holds a parameter's whole state, and ``self.state`` stays empty."""
         if self.shard is not None:
             return
-        flat, step = self.flat_state[bucket.index], self.steps[bucket.index]
+        flat, step = self.flat_state[bucket.index], self.steps[bucket.arena]
         for i, p in enumerate(bucket.params):
             views = {k: bucket.view(v, i) for k, v in flat.items()}
             self.state[p] = views if self.family == "sgd" else {"step": step.reshape(()), **views}
@@ -371,7 +406,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
         """Copy torch-format state (from the wrapped optimizer or a checkpoint) into the flats."""
         state = dict(state)
         self.state.clear()
-        for b, flat, step in zip(self.buckets, self.flat_state, self.steps):
+        arena_steps: list[dict[float, int]] = [{} for _ in self.arenas]  # step count -> a bucket with it
+        for b, flat in zip(self.buckets, self.flat_state):
             steps, present = set(), False
             for i, p in enumerate(b.params):
                 entry = state.get(p, {})
@@ -394,7 +430,17 @@ class CompiledOptimizer(torch.optim.Optimizer):
                     f"different step counts {sorted(steps)}; the fused update needs one per bucket. "
                     "Load a checkpoint written by a run whose parameters all stepped together."
                 )
-            step.fill_(steps.pop() if steps else 0.0)
+            arena_steps[b.arena].setdefault(steps.pop() if steps else 0.0, b.index)
             self._has_state[b.index] = present
-            if present:
+        for arena, step, counts in zip(self.arenas, self.steps, arena_steps):
+            if len(counts) > 1:
+                raise ValueError(
+                    f"smddp_lite.compile: the optimizer state gives parameters of param group {arena.group} "
+                    f"different step counts {sorted(counts)}; the fused update keeps one per group, dtype and "
+                    "device, and plans parameters that stepped apart into separate updates at compile. Load "
+                    "the checkpoint into the optimizer before smddp_lite.compile, or compile again with the "
+                    "optimizer it returned after loading.")
+            step.fill_(next(iter(counts)) if counts else 0.0)
+        for b in self.buckets:
+            if self._has_state[b.index]:
                 self._publish_state(b)

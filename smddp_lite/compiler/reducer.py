@@ -4,8 +4,14 @@ A post-accumulate-grad hook per parameter counts down its bucket; buckets are la
 in index order (so every rank issues the same collectives in the same order whatever order
 autograd happens to finish them in), asynchronously, overlapping the rest of backward. A
 callback queued at the end of backward waits for all of them, so ``.grad`` holds the averaged
-gradient when ``backward()`` returns, as with DDP, and computes each bucket's 2-norm
-for gradient clipping while the bucket is still hot.
+gradient when ``backward()`` returns, as with DDP.
+
+Each bucket's 2-norm (for gradient clipping) is taken once, of the reduced values the update
+will use (after a 16-bit wire's copy back), into one tensor of norms that the step reads
+instead of the gradients. On CUDA it is taken as soon as the bucket's collective completes, on a
+stream that waits for it (the collective's future, as DDP's comm hooks chain theirs), so it
+overlaps the rest of backward; on the CPU at the end of backward, where a callback would run on
+the communication thread and delay the next bucket's collective.
 
 Sharded (``shard_optimizer_state``), a bucket is reduce-scattered instead: only the rank's own
 share of ``.grad`` holds the averaged gradient (the rest keeps the rank's local gradient), norms
@@ -38,9 +44,13 @@ class GradReducer:
         self.buckets, self.group, self.world_size, self.want_norm = buckets, group, world_size, want_norm
         self.shard, self.gathers, self.quantized = shard, gathers, quantized
         self.sync = True  # False inside no_sync(): gradients only accumulate
-        # each bucket's 2-norm in the update's arithmetic dtype (float64 for float64 parameters);
-        # kept unsquared, as one op per bucket: the global norm is the norm of these
-        self.norms = [torch.zeros((), dtype=arithmetic_dtype(b.dtype), device=b.device) for b in buckets]
+        # (n_buckets,) each bucket's 2-norm, unsquared (one op per bucket: the global norm is the
+        # norm of these), in float64 if any update computes in it (float64 parameters)
+        dtype = max((arithmetic_dtype(b.dtype) for b in buckets), key=lambda d: d.itemsize, default=torch.float32)
+        self.norms = torch.zeros(len(buckets), dtype=dtype, device=buckets[0].device if buckets else "cpu")
+        # finish each bucket (copy back from the wire, take its norm) from its collective's
+        # future, overlapping backward; see the module's docstring for why only on CUDA
+        self.finish_on_completion = bool(buckets) and buckets[0].device.type == "cuda"
         # each bucket's gradient version counter when its norm was taken: an in-place edit of a
         # gradient after backward (p.grad.div_(n)) moves it, and step() measures that bucket again
         self._measured_at = [-1] * len(buckets)
@@ -102,10 +112,23 @@ class GradReducer:
             torch.mul(b.grad_flat, 1.0 / self.world_size, out=wire)
             sent, op = wire, dist.ReduceOp.SUM
         if self.shard is None:
-            self._works[b.index] = dist.all_reduce(sent, op=op, group=self.group, async_op=True)
+            work = dist.all_reduce(sent, op=op, group=self.group, async_op=True)
         else:
-            self._works[b.index] = REDUCE_SCATTER(self.shard.of(b, sent), sent, op=op, group=self.group,
-                                                  async_op=True)
+            work = REDUCE_SCATTER(self.shard.of(b, sent), sent, op=op, group=self.group, async_op=True)
+        self._works[b.index] = work
+        if self.finish_on_completion:
+            self._finishing[b.index] = work.get_future().then(lambda reduced, b=b: self._finish_bucket(b, reduced))
+
+    def _finish_bucket(self, b: Bucket, reduced: torch.futures.Future | None = None) -> None:
+        """What follows a bucket's reduction: its 16-bit wire's values back into ``.grad``, and
+        its norm. ``reduced``: the collective's future, when called as its callback (a failed
+        collective raises here, and its wait() says why)."""
+        if reduced is not None:
+            reduced.value()
+        if b.wire_flat is not None:
+            Shard.part(self.shard, b, b.grad_flat).copy_(Shard.part(self.shard, b, b.wire_flat))
+        if self.want_norm:
+            self.bucket_norm(b)
 
     def _finish_backward(self) -> None:
         self._in_backward = False
@@ -121,21 +144,23 @@ class GradReducer:
             for wire in self.quantized:
                 wire.sum_and_gather()
         for b in self.buckets:
-            work = self._works[b.index]
+            work, finishing = self._works[b.index], self._finishing[b.index]
             if work is not None:
                 work.wait()
-                if b.wire_flat is not None:
-                    Shard.part(self.shard, b, b.grad_flat).copy_(Shard.part(self.shard, b, b.wire_flat))
-            if self.want_norm:
-                self.bucket_norm(b)
+            if finishing is not None:
+                finishing.wait()  # this stream now waits for the bucket's copy back and norm
+            elif work is not None or self.want_norm:
+                self._finish_bucket(b)
         if self.shard is not None:
             self._agree_non_finite()
+        self._measured_now()
         self._count_afresh()
 
     def _count_afresh(self) -> None:
         """No bucket counted down, launched or in flight: the state before a backward."""
         self._pending = [len(b.params) for b in self.buckets]  # gradients each bucket still waits for
         self._works: list = [None] * len(self.buckets)
+        self._finishing: list[torch.futures.Future | None] = [None] * len(self.buckets)
         self._next = 0  # first bucket not launched yet
 
     def _zero_missing(self, b: Bucket) -> None:
@@ -155,7 +180,7 @@ class GradReducer:
         would launch buckets early and never take norms."""
         if not self._in_backward:
             return
-        for work in self._works:
+        for work in self._works + self._finishing:
             if work is not None:
                 work.wait()
         self._count_afresh()
@@ -173,16 +198,23 @@ class GradReducer:
 
     def bucket_norm(self, b: Bucket) -> None:
         """Record the bucket's 2-norm (one read of its reduced gradients, one launch)."""
-        self.norms[b.index] = torch.linalg.vector_norm(Shard.part(self.shard, b, b.grad_flat),
-                                                       dtype=arithmetic_dtype(b.dtype))
-        self._measured_at[b.index] = b.grad_flat._version
+        torch.linalg.vector_norm(Shard.part(self.shard, b, b.grad_flat), dtype=self.norms.dtype,
+                                 out=self.norms[b.index])
+
+    def _measured_now(self) -> None:
+        """Every bucket's norm holds for its gradients as they are now. Recorded once all are
+        taken: a bucket's gradients are a view of its arena's, which shares one version
+        counter, so each later collective or copy into the arena moves every bucket's."""
+        self._measured_at = [b.grad_flat._version for b in self.buckets]
 
     def remeasure_changed_norms(self, every_bucket: bool = False) -> None:
         """Take again the norms of buckets whose gradients changed since they were measured (an
-        in-place edit of a ``.grad`` view moves its bucket's version counter), or of every bucket."""
-        for b in self.buckets:
-            if every_bucket or b.grad_flat._version != self._measured_at[b.index]:
-                self.bucket_norm(b)
+        in-place edit of a ``.grad`` view moves its arena's version counter), or of every bucket."""
+        changed = [b for b in self.buckets if every_bucket or b.grad_flat._version != self._measured_at[b.index]]
+        for b in changed:
+            self.bucket_norm(b)
+        if changed:
+            self._measured_now()
 
     def before_step(self) -> None:
         """Called by step(). With no backward since the last step, ``.grad`` set to None by
@@ -193,15 +225,13 @@ class GradReducer:
                 self._zero_missing(b)
         self._backward_since_step = False
 
-    def grad_norm(self) -> torch.Tensor:
-        """Global 2-norm of the (averaged, still loss-scaled) gradients, as a device tensor.
-        Sharded, the shares' squared norms are summed across ranks (one small all_reduce of a
-        device tensor: no wait on the host)."""
-        dtype = max((n.dtype for n in self.norms), key=lambda d: d.itemsize, default=torch.float32)
-        norms = torch.stack([n.to(self.norms[0].device, dtype) for n in self.norms])
+    def global_norms(self) -> torch.Tensor:
+        """Norms whose 2-norm is the global norm of the (averaged, still loss-scaled) gradients:
+        every bucket's, or, sharded, the norm of every rank's shares (their squares summed
+        across ranks by one small all_reduce of a device tensor: no wait on the host)."""
         if self.shard is None:
-            return torch.linalg.vector_norm(norms)
-        squares = norms.square().sum()
+            return self.norms
+        squares = self.norms.square().sum().reshape(1)
         dist.all_reduce(squares, group=self.group)
         return squares.sqrt()
 
@@ -227,11 +257,11 @@ class GradReducer:
         # only a gradient beyond any use gives; every rank then marks it alike). The sum is one
         # pass: isfinite().all() took 24 ms where it takes 1 ms (4.7M float32 elements, one core)
         if self.want_norm:
-            bad = [~torch.isfinite(n) for n in self.norms]
+            flag = (~torch.isfinite(self.norms)).sum(dtype=torch.float32).reshape(1)
         else:
             bad = [~torch.isfinite(Shard.part(self.shard, b, b.grad_flat).sum(dtype=arithmetic_dtype(b.dtype)))
                    for b in self.buckets]
-        flag = torch.stack(bad).sum(dtype=torch.float32).reshape(1)
+            flag = torch.stack(bad).sum(dtype=torch.float32).reshape(1)
         dist.all_reduce(flag, group=self.group)
         if self._non_finite_mark is not None:
             mark = self._non_finite_mark

@@ -1,12 +1,12 @@
-"""Fused Adam / AdamW update over one flat bucket: one read of each stream, one write of each state.
+"""Fused Adam / AdamW update over one flat buffer (an arena of buckets): one read of each stream,
+one write of each state.
 
 Per element it reads grad, param, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq:
 28 bytes per float32 parameter, the floor for an Adam step. The gradient is multiplied by
 ``scale`` (1 / loss scale x clipping coefficient) on the way in, so unscaling and clipping cost
-no pass of their own; that gradient is written back (32 bytes), as torch's fused kernels and
-GradScaler.unscale_ + clip_grad_norm_ leave ``.grad`` unscaled and clipped, unless the caller
-knows ``scale`` is 1 (``unit_scale``: no loss scale, no clipping), where it would write what is
-there. ``lr``, ``step``, ``scale`` and ``found_inf`` are device tensors: a
+no pass of their own. Asked (``write_grad``), that gradient is written back (32 bytes), as
+torch's fused kernels and GradScaler.unscale_ + clip_grad_norm_ leave ``.grad`` unscaled and
+clipped. ``lr``, ``step``, ``scale`` and ``found_inf`` are device tensors: a
 scheduler changing the learning rate changes a value, not the compiled kernel, and nothing
 waits on the host. A step with ``found_inf`` != 0 changes nothing (the caller leaves ``step``
 where it was).
@@ -84,7 +84,7 @@ def _log(beta: float) -> float:
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, beta1, beta2, eps,
-              weight_decay, decoupled, unit_scale: bool = False, force_triton: bool | None = None,
+              weight_decay, decoupled, write_grad: bool = True, force_triton: bool | None = None,
               block: int = BLOCK, num_warps: int = 4) -> None:
     """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (flat, same length) in place, and leave
     ``grad`` multiplied by ``scale``.
@@ -93,8 +93,9 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
         lr, step, scale, found_inf: 1-element tensors on the buffers' device, float32 (float64
             for float64 parameters); ``step`` already counts this step.
         decoupled: True for AdamW's weight decay, False for Adam's L2 penalty.
-        unit_scale: the caller knows ``scale`` is 1, so ``grad`` is not written (a host-side
-            fact: no GradScaler and no clipping; reading ``scale`` would wait on the device).
+        write_grad: leave ``grad`` multiplied by ``scale``; False leaves it as it is (the
+            caller's choice, or it knows ``scale`` is 1, where the write would change nothing).
+            torch's fused CPU kernel writes it whichever is asked, in the same pass.
         force_triton: None picks Triton on CUDA, torch's fused CPU kernel on the CPU (else the
             reference); True forces the Triton kernel (tests run it on CPU tensors with
             TRITON_INTERPRET=1), False the reference.
@@ -113,7 +114,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
             return
         adam_reference(param, grad, exp_avg, exp_avg_sq, lr=lr, step=step, scale=scale, found_inf=found_inf,
                        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
-                       unit_scale=unit_scale)
+                       write_grad=write_grad)
         return
     if triton is None:
         raise ImportError("adam_step: Triton is not installed; pip install triton")
@@ -124,11 +125,11 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, b
     _adam_kernel[grid](param, grad, exp_avg, exp_avg_sq, lr, step, scale, found_inf,
                        n, beta1, beta2, 1.0 - beta1, 1.0 - beta2, _log(beta1), _log(beta2),
                        float(eps), float(weight_decay),
-                       DECOUPLED=bool(decoupled), WRITE_GRAD=not unit_scale, BLOCK=block, num_warps=num_warps)
+                       DECOUPLED=bool(decoupled), WRITE_GRAD=bool(write_grad), BLOCK=block, num_warps=num_warps)
 
 
 def adam_reference(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_inf, beta1, beta2, eps,
-                   weight_decay, decoupled, unit_scale: bool = False) -> None:
+                   weight_decay, decoupled, write_grad: bool = True) -> None:
     """The same update in plain torch ops (the CPU path and the kernel's oracle).
 
     Reads grad, param, exp_avg, exp_avg_sq once each in the math below, but torch runs each op
@@ -140,7 +141,7 @@ def adam_reference(param, grad, exp_avg, exp_avg_sq, *, lr, step, scale, found_i
     keep = None if skip is not None else found_inf == 0  # masks the writes on an accelerator
     compute = arithmetic_dtype(param.dtype)
     g = grad.to(compute) * scale
-    writes = [] if unit_scale else [(grad, g)]  # the unscaled, clipped gradient, before the L2 term
+    writes = [(grad, g)] if write_grad else []  # the unscaled, clipped gradient, before the L2 term
     p = param.to(compute)
     if decoupled:
         p = p * (1.0 - lr * weight_decay)

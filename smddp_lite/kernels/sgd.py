@@ -1,8 +1,9 @@
-"""Fused SGD update (momentum, dampening, Nesterov, weight decay) over one flat bucket.
+"""Fused SGD update (momentum, dampening, Nesterov, weight decay) over one flat buffer.
 
 With momentum it reads grad, param, momentum_buffer and writes param, momentum_buffer: 20 bytes
-per float32 parameter; without, 12. The gradient times ``scale`` (unscaled and clipped) is
-written back, 4 bytes more, unless the caller knows ``scale`` is 1 (see adam.py). The first step fills the momentum buffer with the gradient,
+per float32 parameter; without, 12. Asked (``write_grad``), the gradient times ``scale``
+(unscaled and clipped) is written back, 4 bytes more (see adam.py). The first step fills the
+momentum buffer with the gradient,
 as torch.optim.SGD does; ``step`` (a device tensor counting this step) tells the kernel which
 step it is, so no host branch is needed.
 """
@@ -53,7 +54,7 @@ if triton is not None:
 
 
 def sgd_step(param, grad, momentum_buffer, *, lr, step, scale, found_inf, momentum, dampening,
-             weight_decay, nesterov, unit_scale: bool = False, force_triton: bool | None = None) -> None:
+             weight_decay, nesterov, write_grad: bool = True, force_triton: bool | None = None) -> None:
     """Update ``param`` (and ``momentum_buffer`` when momentum != 0) in place, and leave ``grad``
     multiplied by ``scale``.
 
@@ -61,7 +62,7 @@ def sgd_step(param, grad, momentum_buffer, *, lr, step, scale, found_inf, moment
         momentum_buffer: flat like ``param``; ignored (may be None) when ``momentum`` is 0.
         lr, step, scale, found_inf: 1-element device tensors, float32 (float64 for float64
             parameters); ``step`` counts this step.
-        unit_scale: the caller knows ``scale`` is 1, so ``grad`` is not written (as adam_step).
+        write_grad: leave ``grad`` multiplied by ``scale`` (as adam_step).
     """
     streams = dict(param=param, grad=grad)
     if momentum != 0:
@@ -77,7 +78,7 @@ def sgd_step(param, grad, momentum_buffer, *, lr, step, scale, found_inf, moment
             return
         sgd_reference(param, grad, momentum_buffer, lr=lr, step=step, scale=scale, found_inf=found_inf,
                       momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                      unit_scale=unit_scale)
+                      write_grad=write_grad)
         return
     if triton is None:
         raise ImportError("sgd_step: Triton is not installed; pip install triton")
@@ -86,11 +87,11 @@ def sgd_step(param, grad, momentum_buffer, *, lr, step, scale, found_inf, moment
     _sgd_kernel[(triton.cdiv(n, BLOCK),)](
         param, grad, momentum_buffer if momentum != 0 else param, lr, step, scale, found_inf,
         n, float(momentum), float(dampening), float(weight_decay),
-        HAS_MOMENTUM=momentum != 0, NESTEROV=bool(nesterov), WRITE_GRAD=not unit_scale, BLOCK=BLOCK)
+        HAS_MOMENTUM=momentum != 0, NESTEROV=bool(nesterov), WRITE_GRAD=bool(write_grad), BLOCK=BLOCK)
 
 
 def sgd_reference(param, grad, momentum_buffer, *, lr, step, scale, found_inf, momentum, dampening,
-                  weight_decay, nesterov, unit_scale: bool = False) -> None:
+                  weight_decay, nesterov, write_grad: bool = True) -> None:
     """The same update in plain torch ops (the CPU path and the kernel's oracle)."""
     skip = skipped_on_host(found_inf)
     if skip:
@@ -99,7 +100,7 @@ def sgd_reference(param, grad, momentum_buffer, *, lr, step, scale, found_inf, m
     compute = arithmetic_dtype(param.dtype)
     p = param.to(compute)
     g = grad.to(compute) * scale
-    writes = [] if unit_scale else [(grad, g)]  # the unscaled, clipped gradient, before weight decay
+    writes = [(grad, g)] if write_grad else []  # the unscaled, clipped gradient, before weight decay
     g = g + weight_decay * p
     if momentum != 0:
         buf = torch.where(step == 1.0, g, momentum * momentum_buffer.to(compute) + (1.0 - dampening) * g)
