@@ -1,38 +1,46 @@
 #!/bin/bash
-# Every check that needs a GPU, in one go, for a machine lent for a few minutes:
+# Every check that needs a GPU, for a machine lent for a few minutes:
 #   overhead:  per-call time against torch's nccl, with a profile of where smddp's time goes,
 #              and the overhead benchmark in nccl-tests format (issue 3's criterion)
-#   tests:     the GPU tests (python -m pytest -m gpu), and the Triton kernels against their
-#              references on the GPU (tests/test_kernels.py)
-#   optimizer: the optimizer-step benchmark against the fair baselines (issue 40's criterion), one
-#              parameter count at a time (adam_kernel_sweep.py, run by hand, splits the step)
+#   tests:     the GPU tests (python -m pytest -m gpu; the collective sweep of tests/sweep.py on
+#              CUDA tensors over NCCL and through host staging among them), and the Triton
+#              kernels against their references on the GPU (tests/test_kernels.py)
+#   optimizer: the optimizer-step benchmark against the fair baselines, the CUDA-graphed one
+#              among them (issue 40's criterion), one parameter count at a time
+#              (adam_kernel_sweep.py, run by hand, splits the step)
+#   quantize:  the 8-bit wire's quantize and dequantize_add kernels against a same-size copy_
+#              (quantize_kernels.py), checked against their reference as they are timed
 #   train:     one training step end to end, DDP on nccl and on smddp and smddp_lite.compile
 # Each step has its own time limit, so one that hangs or runs long costs only its own share, and
 # everything it printed is kept. Usage, from the repository root on the GPU machine:
 #
-#   bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer] [train]
+#   bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer] [quantize] [train]
 #
-# The parts run in the order named; with none named, all four, in that order. Their time limits
-# add up to 3, 4 (6.5 with reruns of failed tests), 5 and 2.5 minutes; where one command may run
-# for 10 minutes, run `overhead tests` and then `optimizer train`. On an H100 (2026-11-27) the
-# overhead part took 42 s and the tests 63 s; the optimizer benchmark at 1B without torch.compile
-# 50 s. The tests run side by side where pytest-xdist
-# is installed. The exit status is the number of steps that failed.
+# The parts run in the order named; with none named, all five, in that order. Their time limits
+# add up to 3, 4 (6.5 with reruns of failed tests), 5.5, 1.5 and 2.5 minutes: 19 in all, more
+# than one 10-minute command may run, so where a hang must not cost the rest, run them in two
+# calls, `overhead tests` (at most 9.5 minutes) and then `optimizer quantize train` (at most
+# 9.5). Their real times are far below the limits: on an H100 (2026-11-28) `overhead tests
+# train` took 153 s in one call; on 2026-11-27 the optimizer benchmark at 1B without
+# torch.compile took 50 s, without the graphed baseline, which holds a fifth copy of the
+# parameters, gradients and state (20 GB more at 1B: on a card of 80 GB give the 1B step
+# --no-graphed). The tests run side by side where pytest-xdist is installed.
+# The exit status is the number of steps that failed.
 # --install first runs `pip install --no-deps --no-build-isolation -e .` (for an image that has
 # torch, cupy and triton but not this package). Record what it measured in benchmarks/results/.
 set -u
-usage="usage: bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer] [train]"
+usage="usage: bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer] [quantize] [train]"
 out=${1:?$usage}
 shift
 install=0 parts=""
 for arg in "$@"; do
     case $arg in
         --install) install=1 ;;
-        tests|overhead|optimizer|train) parts="$parts $arg" ;;
+        tests|overhead|optimizer|quantize|train) parts="$parts $arg" ;;
         *) echo "unknown argument '$arg'; $usage" >&2; exit 2 ;;
     esac
 done
-parts=${parts:-" overhead tests optimizer train"}
+parts=${parts:-" overhead tests optimizer quantize train"}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -96,15 +104,23 @@ run_tests() {
     fi
 }
 run_optimizer() {
-    # the fair baselines (folded fused AdamW, fullgraph compile) beside eager and smddp; the
-    # compiles set what fits a 15-minute lease (on an H100 the fullgraph one took 46 s at 125M and over 140 s at 350M, the eager
-    # closure 26 s and 87 s, and max-autotune-no-cudagraphs did not finish at 125M in 150 s)
+    # the fair baselines (folded fused AdamW, the same captured in a CUDA graph, fullgraph
+    # compile) beside eager and smddp; the compiles set what fits a 15-minute lease (on an H100
+    # the fullgraph one took 46 s at 125M and over 140 s at 350M, the eager closure 26 s and 87 s,
+    # and max-autotune-no-cudagraphs did not finish at 125M in 150 s). Each count builds every
+    # variant's parameters afresh: at 1B that, not the timing, takes most of the limit
     step optimizer-step-125M 150 $py benchmarks/optimizer_step.py --device cuda --params 125M --rounds 10 \
         --no-eager-compile --json "$out/optimizer-step-125M.json"
     step optimizer-step-350M 90 $py benchmarks/optimizer_step.py --device cuda --params 350M --rounds 10 \
         --no-torch-compile --json "$out/optimizer-step-350M.json"
-    step optimizer-step-1B 60 $py benchmarks/optimizer_step.py --device cuda --params 1B --rounds 10 \
+    step optimizer-step-1B 90 $py benchmarks/optimizer_step.py --device cuda --params 1B --rounds 10 \
         --no-torch-compile --json "$out/optimizer-step-1B.json"
+}
+run_quantize() {
+    # a 25 MiB bucket's message and a large one, every wire dtype, the default block and a large
+    # one; about a dozen Triton compiles, then 15 rounds of 10 calls of each variant
+    step quantize-kernels 90 $py benchmarks/quantize_kernels.py --device cuda --numel 6.5M,64M \
+        --json "$out/quantize-kernels.json"
 }
 run_train() {
     # end to end: DDP on nccl, DDP on smddp, smddp_lite.compile; GPT-2 small, one GPU

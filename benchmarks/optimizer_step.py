@@ -10,6 +10,9 @@ Compares, for AdamW with float32 parameters and state, loss scaling and clipping
               parameter, on torch's per-parameter tensors
   folded-flat the same on flat tensors of 6.5M elements (25 MiB, DDP's bucket size), as our
               buckets lay gradients out
+  graphed     folded-flat's whole step (norms, clip coefficient, fused AdamW with capturable=True)
+              captured in one CUDA graph and replayed: no launch or host cost left (CUDA only; it
+              checks its first replay against folded-flat's first step)
   compile     torch.compile of the eager step (compile time reported apart): the closure around
               opt.step() breaks the graph and leaves the fused kernel opaque to Inductor
   fullgraph   torch.compile(fullgraph=True) of one function holding the norm, clip and AdamW in
@@ -35,6 +38,7 @@ import argparse
 import json
 import platform
 import time
+import warnings
 
 import torch
 
@@ -107,11 +111,16 @@ def build_eager(params, device, compiled: bool):
     return v
 
 
+def flat_params(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The same parameters as a few flat tensors of FLAT_ELEMENTS (values as generated, shapes dropped)."""
+    flat_all = torch.cat([p.detach().reshape(-1) for p in params])
+    return [torch.nn.Parameter(c.clone()) for c in flat_all.split(FLAT_ELEMENTS)]
+
+
 def build_folded(params, device, flat: bool):
     """Unscale and clipping folded into fused AdamW's grad_scale and found_inf."""
-    if flat:  # the same parameters as a few flat tensors (values as generated, shapes dropped)
-        flat_all = torch.cat([p.detach().reshape(-1) for p in params])
-        params = [torch.nn.Parameter(c.clone()) for c in flat_all.split(FLAT_ELEMENTS)]
+    if flat:
+        params = flat_params(params)
     v = Variant("folded-flat" if flat else "folded", params, device)
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     for p, g in zip(params, v.grads):
@@ -126,8 +135,76 @@ def build_folded(params, device, flat: bool):
         opt.grad_scale, opt.found_inf = v.scale / clip, found_inf
         opt.step()
 
-    v.step = step
+    v.step, v.opt = step, opt
     return v
+
+
+def build_graphed(params, device, warm_up: int = 3):
+    """folded-flat's step captured in one CUDA graph, as torch documents capturing a fused AdamW
+    with a loss scale (its test_graph_scaling_fused_optimizers): capturable=True, the state made
+    by eager steps before capture, and grad_scale and found_inf as tensors made before capture
+    that the graph refills in place, so every replay reads and writes the same addresses."""
+    params = flat_params(params)
+    v = Variant("graphed", params, device)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True, capturable=True)
+    for p, g in zip(params, v.grads):
+        p.grad = g.clone()
+    grads = [p.grad for p in params]
+    grad_scale = torch.ones((), device=device)
+    found_inf = torch.zeros((), device=device)  # shaped as the fused step's step counters, which it adjusts
+    opt.grad_scale, opt.found_inf = grad_scale, found_inf
+
+    def step():
+        norms = torch._foreach_norm(grads)
+        total = torch.linalg.vector_norm(torch.stack(norms)) / v.scale  # of the unscaled gradients
+        clip = torch.clamp(1.0 / (total + 1e-6), max=1.0)
+        found_inf.copy_(torch.isfinite(total).logical_not())
+        grad_scale.copy_(v.scale / clip)
+        opt.step()
+
+    # warm-up on a side stream (the documented pattern): makes exp_avg, exp_avg_sq and the step
+    # counters, and any lazy workspace, outside the capture
+    start = [p.detach().clone() for p in params]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*capturable=True.*without CUDA graph capture")  # as intended
+        for _ in range(warm_up):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    # back to the starting point in place (the graph holds these addresses), so the first replay
+    # is step 1 and compares with folded-flat's first step
+    with torch.no_grad():
+        for p, g, s, p0 in zip(params, v.grads, grads, start):
+            p.copy_(p0)
+            s.copy_(g)
+            state = opt.state[p]
+            state["exp_avg"].zero_()
+            state["exp_avg_sq"].zero_()
+            state["step"].zero_()
+    del start
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    v.step, v.opt = graph.replay, opt
+    return v
+
+
+def check_graphed(graphed: Variant, folded_flat: Variant) -> None:
+    """Exit non-zero unless the graph's first replay left what folded-flat's first eager step
+    left: parameters, the unscaled and clipped .grad and exp_avg. The parameters alone would miss
+    a wrong grad_scale (Adam's update barely depends on the gradient's scale); .grad and exp_avg
+    scale with it. One step, the same kernels on the same inputs: equal to float32 rounding."""
+    for i, (g, f) in enumerate(zip(graphed.params, folded_flat.params)):
+        pairs = {"parameter": (g, f), ".grad": (g.grad, f.grad),
+                 "exp_avg": (graphed.opt.state[g]["exp_avg"], folded_flat.opt.state[f]["exp_avg"])}
+        for what, (got, want) in pairs.items():
+            if not torch.allclose(got, want, rtol=1e-6, atol=0):
+                worst = (got - want).abs().max().item()
+                raise SystemExit(f"graphed: after the first replay, {what} of flat tensor {i} differs from "
+                                 f"folded-flat's by up to {worst:.3g} (expected equal to rtol 1e-6): the captured "
+                                 "step is not the eager one; check the capture (state made before it, grad_scale "
+                                 "and found_inf refilled in place)")
 
 
 def clipped_adamw(params, grads, exp_avg, exp_avg_sq, step_t, lr, scale, max_norm=1.0, beta1=0.9, beta2=0.999,
@@ -194,6 +271,8 @@ def main() -> None:
     parser.add_argument("--no-torch-compile", action="store_true", help="skip the torch.compile variants")
     parser.add_argument("--no-eager-compile", action="store_true",
                         help="skip the compile variant (the eager step compiled as it is), keep fullgraph")
+    parser.add_argument("--no-graphed", action="store_true",
+                        help="skip the graphed variant (20 more bytes of device memory per parameter: 20 GB at 1B)")
     parser.add_argument("--compile-modes", default="default",
                         help="modes of the fullgraph variant, comma-separated (default, max-autotune-no-cudagraphs)")
     parser.add_argument("--json", help="write every measurement here")
@@ -203,12 +282,18 @@ def main() -> None:
     name = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or platform.machine()
     print(f"# optimizer step, AdamW float32, clip 1.0, loss scale 1024; device {dev} ({name}); torch {torch.__version__}")
     print(f"# copy bandwidth {bandwidth / 1e9:.2f} GB/s; {args.rounds} alternating rounds; times in ms, median [p20, p80]")
+    if dev != "cuda":
+        print("# graphed: skipped, CUDA graphs need a CUDA device")
+    elif args.no_graphed:
+        print("# graphed: skipped (--no-graphed)")
     print(f"# {'params':>10} {'variant':<11} {'median':>9} {'p20':>9} {'p80':>9} {'GB/s':>7} {'% copy':>7} {'vs eager':>8}")
     rows = []
     for count in map(parse_count, args.params.split(",")):
         variants = [build_eager(make_params(count, dev), dev, False),
                     build_folded(make_params(count, dev), dev, flat=False),
                     build_folded(make_params(count, dev), dev, flat=True)]
+        if dev == "cuda" and not args.no_graphed:
+            variants.append(build_graphed(make_params(count, dev), dev))
         compile_s = {}
         if not args.no_torch_compile:
             candidates = [build_eager(make_params(count, dev), dev, True)] if not args.no_eager_compile else []
@@ -222,7 +307,10 @@ def main() -> None:
                 variants.append(v)
         variants.append(build_smddp(make_params(count, dev), dev))
         for v in variants:
-            v.step()  # warm-up (allocations, lazy state)
+            v.step()  # warm-up (allocations, lazy state); graphed's first replay
+        by_name = {v.name: v for v in variants}
+        if "graphed" in by_name:
+            check_graphed(by_name["graphed"], by_name["folded-flat"])
         samples = {v.name: [] for v in variants}
         for _ in range(args.rounds):
             for v in variants:

@@ -12,7 +12,8 @@ each input by the factor, then sums. A bool SUM is an "any", as NCCL's (MAX on b
 
 Inputs are small integers that every dtype (float8 included) holds exactly, and so do their sums
 and products over 3 ranks: results do not depend on reduction order, and two backends that agree
-give the same bytes.
+give the same bytes. ``run(device="cuda")`` makes the same calls on CUDA tensors; outputs are
+digested and judged on the host, so a CUDA sweep compares with a CPU one byte for byte.
 """
 
 from __future__ import annotations
@@ -128,17 +129,18 @@ def _redop(op: str, dtype: torch.dtype):
     return OPS[op]
 
 
-# --- the calls: each runs on this rank and returns (outputs, references or None) ----------------
+# --- the calls: each runs on this rank, on ``device``, and returns (outputs, references or None);
+# inputs are made on the CPU and moved, references stay there --------------------------------------
 
-def call_all_reduce(rank, world, dtype, op, async_op):
-    t = reduce_input(BLOCK * world, rank, dtype)
+def call_all_reduce(rank, world, dtype, op, async_op, device):
+    t = reduce_input(BLOCK * world, rank, dtype).to(device)
     _wait(dist.all_reduce(t, op=_redop(op, dtype), async_op=async_op), async_op)
     want = _reduced(op, dtype, [reduce_input(BLOCK * world, r, dtype) for r in range(world)])
     return [t], None if want is None else [want]
 
 
-def call_reduce(rank, world, dtype, op, async_op):
-    t = reduce_input(BLOCK * world, rank, dtype)
+def call_reduce(rank, world, dtype, op, async_op, device):
+    t = reduce_input(BLOCK * world, rank, dtype).to(device)
     root = world - 1
     _wait(dist.reduce(t, dst=root, op=_redop(op, dtype), async_op=async_op), async_op)
     if rank != root:
@@ -147,17 +149,17 @@ def call_reduce(rank, world, dtype, op, async_op):
     return [t], None if want is None else [want]
 
 
-def call_reduce_scatter(rank, world, dtype, op, async_op):
-    inputs = list(reduce_input(BLOCK * world, rank, dtype).split(BLOCK))
-    out = torch.empty(BLOCK, dtype=dtype)
+def call_reduce_scatter(rank, world, dtype, op, async_op, device):
+    inputs = list(reduce_input(BLOCK * world, rank, dtype).to(device).split(BLOCK))
+    out = torch.empty(BLOCK, dtype=dtype, device=device)
     _wait(dist.reduce_scatter(out, inputs, op=_redop(op, dtype), async_op=async_op), async_op)
     want = _reduced(op, dtype, [reduce_input(BLOCK * world, r, dtype) for r in range(world)])
     return [out], None if want is None else [want[rank * BLOCK:(rank + 1) * BLOCK]]
 
 
-def call_reduce_scatter_tensor(rank, world, dtype, op, async_op, in_place=False):
-    src = reduce_input(BLOCK * world, rank, dtype)
-    out = src[rank * BLOCK:(rank + 1) * BLOCK] if in_place else torch.empty(BLOCK, dtype=dtype)
+def call_reduce_scatter_tensor(rank, world, dtype, op, async_op, device, in_place=False):
+    src = reduce_input(BLOCK * world, rank, dtype).to(device)
+    out = src[rank * BLOCK:(rank + 1) * BLOCK] if in_place else torch.empty(BLOCK, dtype=dtype, device=device)
     _wait(dist.reduce_scatter_tensor(out, src, op=_redop(op, dtype), async_op=async_op), async_op)
     want = _reduced(op, dtype, [reduce_input(BLOCK * world, r, dtype) for r in range(world)])
     return [out.clone()], None if want is None else [want[rank * BLOCK:(rank + 1) * BLOCK]]
@@ -167,38 +169,38 @@ def _everyone(world, dtype):
     return [moving_input(BLOCK, r, dtype) for r in range(world)]
 
 
-def call_broadcast(rank, world, dtype, async_op):
+def call_broadcast(rank, world, dtype, async_op, device):
     root = world - 1
-    t = moving_input(BLOCK, rank, dtype)
+    t = moving_input(BLOCK, rank, dtype).to(device)
     _wait(dist.broadcast(t, src=root, async_op=async_op), async_op)
     return [t], [moving_input(BLOCK, root, dtype)]
 
 
-def call_all_gather(rank, world, dtype, async_op):
-    outs = [torch.empty(BLOCK, dtype=dtype) for _ in range(world)]
-    _wait(dist.all_gather(outs, moving_input(BLOCK, rank, dtype), async_op=async_op), async_op)
+def call_all_gather(rank, world, dtype, async_op, device):
+    outs = [torch.empty(BLOCK, dtype=dtype, device=device) for _ in range(world)]
+    _wait(dist.all_gather(outs, moving_input(BLOCK, rank, dtype).to(device), async_op=async_op), async_op)
     return outs, _everyone(world, dtype)
 
 
-def call_all_gather_into_tensor(rank, world, dtype, async_op, in_place=False):
-    out = torch.empty(BLOCK * world, dtype=dtype)
-    src = out[rank * BLOCK:(rank + 1) * BLOCK] if in_place else torch.empty(BLOCK, dtype=dtype)
+def call_all_gather_into_tensor(rank, world, dtype, async_op, device, in_place=False):
+    out = torch.empty(BLOCK * world, dtype=dtype, device=device)
+    src = out[rank * BLOCK:(rank + 1) * BLOCK] if in_place else torch.empty(BLOCK, dtype=dtype, device=device)
     src.copy_(moving_input(BLOCK, rank, dtype))
     _wait(dist.all_gather_into_tensor(out, src, async_op=async_op), async_op)
     return [out], [torch.cat(_everyone(world, dtype))]
 
 
-def call_gather(rank, world, dtype, async_op):
+def call_gather(rank, world, dtype, async_op, device):
     root = world - 1
-    outs = [torch.empty(BLOCK, dtype=dtype) for _ in range(world)] if rank == root else None
-    _wait(dist.gather(moving_input(BLOCK, rank, dtype), outs, dst=root, async_op=async_op), async_op)
+    outs = [torch.empty(BLOCK, dtype=dtype, device=device) for _ in range(world)] if rank == root else None
+    _wait(dist.gather(moving_input(BLOCK, rank, dtype).to(device), outs, dst=root, async_op=async_op), async_op)
     return (outs, _everyone(world, dtype)) if rank == root else ([], [])
 
 
-def call_scatter(rank, world, dtype, async_op):
+def call_scatter(rank, world, dtype, async_op, device):
     root = world - 1
-    ins = [moving_input(BLOCK, r + 10 * root, dtype) for r in range(world)] if rank == root else None
-    out = torch.empty(BLOCK, dtype=dtype)
+    ins = [moving_input(BLOCK, r + 10 * root, dtype).to(device) for r in range(world)] if rank == root else None
+    out = torch.empty(BLOCK, dtype=dtype, device=device)
     _wait(dist.scatter(out, ins, src=root, async_op=async_op), async_op)
     return [out], [moving_input(BLOCK, rank + 10 * root, dtype)]
 
@@ -207,16 +209,17 @@ def _a2a_block(sender: int, receiver: int, world: int, dtype) -> torch.Tensor:
     return moving_input(BLOCK * world, sender, dtype)[receiver * BLOCK:(receiver + 1) * BLOCK]
 
 
-def call_all_to_all(rank, world, dtype, async_op):
-    ins = [_a2a_block(rank, r, world, dtype).clone() for r in range(world)]
-    outs = [torch.empty(BLOCK, dtype=dtype) for _ in range(world)]
+def call_all_to_all(rank, world, dtype, async_op, device):
+    ins = [_a2a_block(rank, r, world, dtype).to(device, copy=True) for r in range(world)]
+    outs = [torch.empty(BLOCK, dtype=dtype, device=device) for _ in range(world)]
     _wait(dist.all_to_all(outs, ins, async_op=async_op), async_op)
     return outs, [_a2a_block(r, rank, world, dtype) for r in range(world)]
 
 
-def call_all_to_all_single(rank, world, dtype, async_op):
-    out = torch.empty(BLOCK * world, dtype=dtype)
-    _wait(dist.all_to_all_single(out, moving_input(BLOCK * world, rank, dtype), async_op=async_op), async_op)
+def call_all_to_all_single(rank, world, dtype, async_op, device):
+    out = torch.empty(BLOCK * world, dtype=dtype, device=device)
+    _wait(dist.all_to_all_single(out, moving_input(BLOCK * world, rank, dtype).to(device), async_op=async_op),
+          async_op)
     return [out], [torch.cat([_a2a_block(r, rank, world, dtype) for r in range(world)])]
 
 
@@ -246,16 +249,20 @@ def calls() -> Iterator[tuple[str, Callable, dict]]:
                                                                             in_place=True)
 
 
-def run(backend: str = "smddp") -> dict[str, list]:
-    """Worker entry: every call of ``calls`` on this rank; {call id: outcome}."""
+def run(backend: str = "smddp", device: str = "cpu") -> dict[str, list]:
+    """Worker entry: every call of ``calls`` on this rank, on tensors of ``device`` ("cpu", or
+    "cuda": every rank on cuda:0, as one GPU's tests run); {call id: outcome}."""
     import smddp_lite
 
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        device = "cuda:0"
     smddp_lite.init(backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {}
     for call_id, fn, kwargs in calls():
         try:
-            got, want = fn(rank=rank, world=world, **kwargs)
+            got, want = fn(rank=rank, world=world, device=torch.device(device), **kwargs)
             report[call_id] = ["ok", _digest(got), _verdict(got, want)]
         except Exception as exc:  # a refusal is an outcome to compare, not a failure of the sweep
             caught_as = [kind.__name__ for kind in (ValueError, RuntimeError, TypeError) if isinstance(exc, kind)]

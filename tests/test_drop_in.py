@@ -9,6 +9,7 @@ import os
 import pytest
 
 from . import harness
+from .test_cuda import needs_cupy, on_gpu
 
 TRANSPORTS = {
     "shm": {"SMDDP_TRANSPORT": "shm"},
@@ -105,25 +106,31 @@ SWEPT = {  # transport: (launcher, environment, layout); 3 ranks each, against t
 }
 
 
+CUDA_SWEPT = {  # transport: (environment, world size); CUDA tensors, every rank on cuda:0
+    "cuda-nccl": ({"SMDDP_CUDA_TRANSPORT": "nccl"}, 1),  # NCCL refuses two ranks on one GPU
+    "cuda-staged": ({"SMDDP_CUDA_TRANSPORT": "staged"}, 3),  # host staging: the path without cupy
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _swept_by_gloo(world: int) -> list[dict]:
+    """The reference: torch's gloo over the sweep, on CPU tensors."""
+    return harness.values(harness.launch("tests.sweep:run", world, backend="gloo", timeout=300))
+
+
 @functools.lru_cache(maxsize=None)
 def _swept(transport: str) -> list[dict]:
-    if transport == "torch-gloo":
-        return harness.values(harness.launch("tests.sweep:run", 3, backend="gloo", timeout=300))
+    if transport in CUDA_SWEPT:
+        env, world = CUDA_SWEPT[transport]
+        return harness.values(harness.launch("tests.sweep:run", world, env=env, timeout=300, device="cuda"))
     launcher, env, layout = SWEPT[transport]
     if launcher == "mpi":
         return harness.values(harness.launch_mpi("tests.sweep:run", 3, env=env, timeout=300))
     return harness.values(harness.launch("tests.sweep:run", 3, env=env, timeout=300, **layout))
 
 
-@pytest.mark.parametrize("transport", [pytest.param(t, marks=[pytest.mark.mpi] if t == "mpi" else []) for t in SWEPT])
-def test_every_call_gloo_accepts_is_accepted_with_its_result(transport):
-    """The sweep of tests/sweep.py: every collective, dtype, reduction, blocking and async, in place
-    or not. Where torch's gloo gives the right result, smddp gives the same bytes; where gloo
-    refuses, smddp refuses too (as an exception of a type that catches gloo's) or gives what NCCL
-    gives; it never gives a wrong result, nor invents one for a call no backend defines."""
-    if transport == "mpi":
-        harness.skip_without_mpiexec()
-    ours, reference = _swept(transport), _swept("torch-gloo")
+def _compared(ours: list[dict], reference: list[dict]) -> tuple[list[str], collections.Counter]:
+    """(what differs, a tally of the kinds of agreement) between smddp's sweep and gloo's."""
     problems, tally = [], collections.Counter()
     for rank, (mine, theirs) in enumerate(zip(ours, reference)):
         assert mine.keys() == theirs.keys()
@@ -145,5 +152,28 @@ def test_every_call_gloo_accepts_is_accepted_with_its_result(transport):
                 if want[1] not in got[3]:
                     problems.append(f"rank {rank} {call}: gloo raised {want[1]}, smddp {got[1]} (caught as {got[3]})")
                 tally["both refuse"] += 1
+    return problems, tally
+
+
+@pytest.mark.parametrize("transport", [pytest.param(t, marks=[pytest.mark.mpi] if t == "mpi" else []) for t in SWEPT])
+def test_every_call_gloo_accepts_is_accepted_with_its_result(transport):
+    """The sweep of tests/sweep.py: every collective, dtype, reduction, blocking and async, in place
+    or not. Where torch's gloo gives the right result, smddp gives the same bytes; where gloo
+    refuses, smddp refuses too (as an exception of a type that catches gloo's) or gives what NCCL
+    gives; it never gives a wrong result, nor invents one for a call no backend defines."""
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+    problems, tally = _compared(_swept(transport), _swept_by_gloo(3))
+    print(f"\n{transport}: " + "; ".join(f"{what}: {n}" for what, n in sorted(tally.items())))
+    assert not problems, f"{len(problems)} calls differ:\n" + "\n".join(problems[:40])
+
+
+@on_gpu
+@pytest.mark.parametrize("transport", [pytest.param("cuda-nccl", marks=needs_cupy), "cuda-staged"])
+def test_every_call_gloo_accepts_is_accepted_with_its_result_on_cuda_tensors(transport):
+    """The same sweep on CUDA tensors, against the same reference: torch's gloo on CPU tensors at
+    the same world size (outputs are compared as bytes, wherever they lie). Calls NCCL has no
+    type or op for are staged, so every call gloo accepts is accepted on CUDA too."""
+    problems, tally = _compared(_swept(transport), _swept_by_gloo(CUDA_SWEPT[transport][1]))
     print(f"\n{transport}: " + "; ".join(f"{what}: {n}" for what, n in sorted(tally.items())))
     assert not problems, f"{len(problems)} calls differ:\n" + "\n".join(problems[:40])
