@@ -1,10 +1,10 @@
 """What to move: turns the process group's tensor lists into flat transport calls.
 
-This layer owns the numerics that must not depend on the transport: float16/bfloat16 reductions
-accumulate in float32 (upcast here when the transport cannot do it itself), AVG is SUM followed
-by one division in float32, bool reductions run as uint8 max/min, lists of same-dtype tensors are
-packed into one buffer so they cost one collective, and non-contiguous tensors go through a
-contiguous copy.
+This layer decides where the numerics that must not depend on the transport happen (their rules
+are numerics.py's): float16/bfloat16 reductions accumulate in float32 (upcast here when the
+transport cannot do it itself), AVG is SUM followed by one division in float32, bool reductions
+run as uint8 max/min, lists of same-dtype tensors are packed into one buffer so they cost one
+collective, and non-contiguous tensors go through a contiguous copy.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from .call import Call
 from .errors import PeerRefusedError, RecoverableMismatchError, where
-from .ops import LOW_PRECISION, RedOp, as_sum, divide_, flat_view, moved_as_bytes
+from . import numerics
+from .ops import LOW_PRECISION, RedOp, flat_view, moved_as_bytes
 from .scratch import DEFAULT_MAX_BYTES, Scratch
 from .signatures import REDUCE_ROOT_FACTOR, mismatch_said, paired_with_size_exchange_said, signature
 from .transports.base import Transport, overlap
@@ -175,16 +176,7 @@ class Collectives:
         if flat.dtype is torch.bool:
             return flat.view(torch.uint8), _BOOL_OP[op], lambda: None
         wire = self.scratch.widened("wire", flat) if self._needs_float32(flat.dtype, op) else flat
-
-        wire_op, divide_by = as_sum(op, self.world_size)
-
-        def finish() -> None:
-            if divide_by is not None:
-                divide_(wire, divide_by)  # integers as NCCL does: truncated
-            if wire is not flat:
-                flat.copy_(wire)
-
-        return wire, wire_op, finish
+        return wire, numerics.across_ranks(op), lambda: numerics.finish_(wire, op, self.world_size, into=flat)
 
     def _sums_in_pieces(self, flat: torch.Tensor, op: RedOp) -> bool:
         return (flat.dtype in LOW_PRECISION and op in (RedOp.SUM, RedOp.AVG) and self.world_size > 1
@@ -209,14 +201,8 @@ class Collectives:
         pieces = self.scratch.get("pieces in", flat.dtype, share * w)
         self.transport.all_to_all(step, pieces, send)  # block q: rank q's values of this rank's share
         blocks = pieces.view(w, share)
-        total = self.scratch.widened("wire", blocks[0])
-        for q in range(1, w):
-            total.add_(blocks[q])  # float32 += 16-bit, per element, in rank order
-        _, divide_by = as_sum(op, w)
-        if divide_by is not None:
-            total.div_(divide_by)
-        mine = blocks[0]  # read above: reused for this rank's rounded share
-        mine.copy_(total)
+        mine = blocks[0]  # reused for this rank's rounded share, once every block is read
+        numerics.reduce_blocks_(self.scratch.get("wire", torch.float32, share), blocks, op, into=[mine])
         if share * w == n:
             self.transport.all_gather(step, flat, mine)
         else:

@@ -12,7 +12,7 @@ class RedOp(enum.IntEnum):
     """Reduction ops a transport sees. AVG reaches a transport only in a 16-bit reduce_scatter or
     all_reduce on one whose ``Capabilities.reduce_scatters_16_bit`` or ``all_reduces_16_bit_avg`` holds the
     dtype (and the hierarchical transport's part inside a host, in its float16 AVG's
-    reduce_scatter); elsewhere the algorithms layer turns it into SUM and a division."""
+    reduce_scatter); elsewhere the algorithms layer turns it into SUM and a division (numerics.py)."""
 
     SUM = 0
     AVG = 1
@@ -56,11 +56,6 @@ _ALL_DTYPES = sorted({d for d in vars(torch).values() if isinstance(d, torch.dty
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BITWISE_OPS = (RedOp.BAND, RedOp.BOR, RedOp.BXOR)
-
-def as_sum(op: RedOp, world_size: int) -> tuple[RedOp, int | None]:
-    """(the op to reduce with, what to divide the result by before its rounding): an AVG is a
-    SUM divided by the group's size; any other op is itself, with nothing to divide."""
-    return (RedOp.SUM, world_size) if op is RedOp.AVG else (op, None)
 
 
 # each op as an elementwise function of two tensors (``fn(a, b, out=a)`` reduces into ``a``)
@@ -114,59 +109,13 @@ def dtype_of_code(code: int) -> torch.dtype | None:
 
 
 def from_torch(reduce_op: object) -> RedOp:
-    """Map a ``dist.ReduceOp`` (or its ``RedOpType``) to ours (PREMUL_SUM: see ``reduction``)."""
+    """Map a ``dist.ReduceOp`` (or its ``RedOpType``) to ours (PREMUL_SUM: see ``numerics.reduction``)."""
     op = getattr(reduce_op, "op", reduce_op)
     try:
         return _FROM_TORCH[op]
     except (KeyError, TypeError):
         names = ", ".join(o.name for o in RedOp)
         raise ValueError(f"reduce op {op} is not supported; supported: {names}, PREMUL_SUM(factor)") from None
-
-
-Factor = float | torch.Tensor  # a PREMUL_SUM's: a number, or a one-element tensor
-# Whether a PREMUL_SUM's factor reaches Python: older torch keeps it in C++, where only its own
-# backends see it (torch 2.11 does)
-FACTOR_READABLE = hasattr(dist.ReduceOp, "factor")
-
-
-def reduction(reduce_op: object) -> tuple[RedOp, Factor | None]:
-    """The op to reduce with and, for a PREMUL_SUM, the factor each rank multiplies its own input
-    by before the SUM (as NCCL's premultiplied sum; FSDP2 sends one where a gradient divide factor
-    is set). Other ops have no factor."""
-    op = getattr(reduce_op, "op", reduce_op)
-    if op != dist.ReduceOp.RedOpType.PREMUL_SUM:
-        return from_torch(reduce_op), None
-    if not FACTOR_READABLE:
-        raise ValueError(f"PREMUL_SUM: torch {torch.__version__} does not let a backend written in Python read the "
-                         "factor (torch 2.13 does, as ReduceOp.factor); upgrade torch, or multiply the input by the "
-                         "factor and reduce with ReduceOp.SUM")
-    factor = getattr(reduce_op, "factor", None)
-    if isinstance(factor, torch.Tensor) and factor.numel() == 1 and factor.is_floating_point():
-        return RedOp.SUM, factor.reshape(())
-    if isinstance(factor, (int, float)) and not isinstance(factor, bool):
-        return RedOp.SUM, float(factor)
-    found = f"a tensor of shape {tuple(factor.shape)} and dtype {dtype_name(factor.dtype)}" if isinstance(
-        factor, torch.Tensor) else repr(factor)
-    raise ValueError(f"PREMUL_SUM needs a factor that is a number or a one-element floating-point tensor, found "
-                     f"{found}; pass dist.ReduceOp.PREMUL_SUM(factor) or dist._make_nccl_premul_sum(factor)")
-
-
-def complex_as_real(tensors: list, op: RedOp) -> list:
-    """Complex tensors as views of their (real, imaginary) pairs where ``op`` adds them (SUM and
-    AVG; a PREMUL_SUM arrives here as SUM): a complex sum is the sums of its parts, as torch's
-    all_reduce and NCCL compute it, and the views share the tensors' memory, so results land in
-    them. Other ops keep complex tensors, which the checks refuse; so are lazy conjugate views
-    left as they are, for the checks' own message."""
-    if op not in (RedOp.SUM, RedOp.AVG):
-        return tensors
-    return [torch.view_as_real(t) if isinstance(t, torch.Tensor) and t.is_complex() and not t.is_conj() else t
-            for t in tensors]
-
-
-def divide_(t: torch.Tensor, by: int) -> torch.Tensor:
-    """``t`` divided by ``by`` in place, as an AVG finishes: an integer tensor's quotient is
-    truncated toward zero, as NCCL averages integers (torch's "nccl" backend accepts them)."""
-    return t.div_(by) if t.is_floating_point() else t.div_(by, rounding_mode="trunc")
 
 
 def check_op_for_dtype(op: RedOp, dtype: torch.dtype) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable, NoReturn
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import numerics, ops
 from .algorithms import Collectives
 from .call import Call
 from .errors import InvalidCallError, RecoverableMismatchError, SMDDPError, where
@@ -304,23 +304,23 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if not 0 <= root < self.size():
             raise ValueError(f"root rank {root} is outside the group of {self.size()} ranks (0..{self.size() - 1})")
 
-    def _reduce_op(self, opts) -> tuple[ops.RedOp, ops.Factor | None]:
-        """The op and, for a PREMUL_SUM, its factor (see ops.reduction)."""
-        return ops.reduction(getattr(opts, "reduceOp", opts))
+    def _reduce_op(self, opts) -> tuple[ops.RedOp, numerics.Factor | None]:
+        """The op and, for a PREMUL_SUM, its factor (see numerics.reduction)."""
+        return numerics.reduction(getattr(opts, "reduceOp", opts))
 
     # collectives -------------------------------------------------------------------------------
     @_device_aware("all_reduce", fast="all_reduce")
     def allreduce(self, tensors, opts=None):
         with self._preparing("all_reduce"):
             op, factor = self._reduce_op(opts or dist.AllreduceOptions())
-            tensors = ops.complex_as_real(_as_list(tensors), op)
+            tensors = numerics.complex_as_real(_as_list(tensors), op)
 
         def premultiplied(t: torch.Tensor) -> torch.Tensor:
             """For a PREMUL_SUM, ``t`` times the factor, in place (the result overwrites it
             anyway). Runs after the checks: on the CPU after the ranks agreed on the call (a
             mismatch leaves the group usable, so the input must be as it was), on CUDA on the
             caller's stream, which the collective's stream waits for."""
-            return t if factor is None else t.mul_(_factor_on(t, factor))
+            return numerics.premultiplied(t, factor, in_place=True)
 
         return self._run("all_reduce", tensors, tensors, lambda: _same_ops(op, tensors, factor),
                          lambda c: self.collectives.all_reduce(c, tensors, op, premultiplied),
@@ -343,7 +343,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         opts = opts or dist.ReduceOptions()
         with self._preparing("reduce"):
             (op, factor), root = self._reduce_op(opts), opts.rootRank
-            tensors = ops.complex_as_real(_as_list(tensors), op)
+            tensors = numerics.complex_as_real(_as_list(tensors), op)
 
         def check() -> None:
             self._root(root)
@@ -354,9 +354,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             """What this rank reduces: ``t``, or for a PREMUL_SUM ``t`` times the factor, in place
             on the root (which receives the result) and a copy elsewhere (whose tensors a reduce
             leaves as they were). On the CPU it runs after the ranks agreed on the call."""
-            if factor is None:
-                return t
-            return t.mul_(_factor_on(t, factor)) if self.rank() == root else t * _factor_on(t, factor)
+            return numerics.premultiplied(t, factor, in_place=self.rank() == root)
 
         return self._run("reduce", tensors, tensors, check,
                          lambda c: self.collectives.reduce(c, tensors[0], root, op, premultiplied),
@@ -434,8 +432,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         with self._preparing("reduce_scatter"):
             op, factor = self._reduce_op(opts or dist.ReduceScatterOptions())
-            inputs = ops.complex_as_real(list(_inner_list(input_tensors)), op)
-            outputs = ops.complex_as_real(_as_list(output_tensors), op)
+            inputs = numerics.complex_as_real(list(_inner_list(input_tensors)), op)
+            outputs = numerics.complex_as_real(_as_list(output_tensors), op)
 
         def check() -> None:
             _one_tensor("reduce_scatter", outputs)
@@ -443,7 +441,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             _same_ops(op, outputs, factor)
 
         def sent() -> list[torch.Tensor]:  # a PREMUL_SUM's inputs times the factor: copies, the inputs stay
-            return inputs if factor is None else [t * _factor_on(t, factor) for t in inputs]
+            return inputs if factor is None else [numerics.premultiplied(t, factor, in_place=False) for t in inputs]
 
         def body(c: Call) -> None:
             self.collectives.reduce_scatter(c, outputs[0], torch.cat([t.reshape(-1) for t in sent()]), op)
@@ -455,14 +453,14 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         with self._preparing("reduce_scatter_tensor"):
             op, factor = self._reduce_op(opts or dist.ReduceScatterOptions())
-            output, input = ops.complex_as_real([output, input], op)
+            output, input = numerics.complex_as_real([output, input], op)
 
         def check() -> None:
             self._sized("reduce_scatter_tensor", input, output, self.size())
             _same_ops(op, [output], factor)
 
         def sent() -> torch.Tensor:  # a PREMUL_SUM's input times the factor: a copy, the input stays
-            return input if factor is None else input * _factor_on(input, factor)
+            return numerics.premultiplied(input, factor, in_place=False)
 
         return self._run("reduce_scatter_tensor", [output, input], [output], check,
                          lambda c: self.collectives.reduce_scatter(c, output, sent(), op),
@@ -756,16 +754,11 @@ def _one_tensor(op: str, tensors: list[torch.Tensor]) -> None:
         raise ValueError(f"{op} takes one tensor per rank, found {len(tensors)}")
 
 
-def _same_ops(op: ops.RedOp, tensors: list[torch.Tensor], factor: ops.Factor | None = None) -> None:
+def _same_ops(op: ops.RedOp, tensors: list[torch.Tensor], factor: numerics.Factor | None = None) -> None:
     for t in tensors:
         ops.check_op_for_dtype(op, t.dtype)
         if factor is not None and not t.is_floating_point():
             raise ValueError(f"PREMUL_SUM needs floating-point tensors, found {ops.dtype_name(t.dtype)}; use SUM")
-
-
-def _factor_on(t: torch.Tensor, factor: ops.Factor) -> ops.Factor:
-    """A PREMUL_SUM's factor, where ``t`` can be multiplied by it (a tensor factor on t's device)."""
-    return factor.to(t.device) if isinstance(factor, torch.Tensor) and factor.device != t.device else factor
 
 
 def _own_keys(store, world_size: int):

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from smddp_lite.backend import ops
+from smddp_lite.backend import numerics
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
           torch.uint8, torch.int8, torch.bool]
@@ -208,7 +208,7 @@ def case_premul_sum(dtype, rank, world, op, tensor_factor):
     factor = (rank + 1) / 2
     by_number = dist.ReduceOp.PREMUL_SUM if callable(dist.ReduceOp.PREMUL_SUM) else dist._make_nccl_premul_sum
     redop = dist._make_nccl_premul_sum(torch.tensor(factor, device=DEVICE)) if tensor_factor else by_number(factor)
-    if not ops.FACTOR_READABLE:  # a torch that hides the factor from Python: refused, clearly
+    if not numerics.FACTOR_READABLE:  # a torch that hides the factor from Python: refused, clearly
         return _premul_sum_refused(op, dtype, redop) if dist.get_backend() == "smddp" else None
     shape = (1823, 3)
     scaled = lambda r, q=0: seeded(shape, r * world + q, dtype) * ((r + 1) / 2)  # noqa: E731

@@ -670,10 +670,10 @@ def test_work_wait_gives_up_after_the_timeout_saying_so():
 def test_premul_sum_on_a_torch_that_hides_its_factor_says_to_upgrade(monkeypatch):
     """torch 2.11 (the GPU machine's) keeps a PREMUL_SUM's factor from backends written in Python;
     the conformance suite checks this refusal on every rank where such a torch runs it."""
-    from smddp_lite.backend import ops
+    from smddp_lite.backend import numerics, ops
 
-    monkeypatch.setattr(ops, "FACTOR_READABLE", False)
+    monkeypatch.setattr(numerics, "FACTOR_READABLE", False)
     with pytest.raises(ValueError, match=r"PREMUL_SUM: torch \S+ does not let a backend written in Python read the "
                                          r"factor.*upgrade torch, or multiply the input by the factor"):
-        ops.reduction(dist._make_nccl_premul_sum(2.0))
-    assert ops.reduction(dist.ReduceOp.SUM) == (ops.RedOp.SUM, None)
+        numerics.reduction(dist._make_nccl_premul_sum(2.0))
+    assert numerics.reduction(dist.ReduceOp.SUM) == (ops.RedOp.SUM, None)

@@ -11,7 +11,8 @@ FSDP2's float8 all_gather stays on the GPU.
 
 Numerics are NCCL's, as with torch's "nccl" backend: 16-bit floats are reduced in their own
 dtype hop by hop, AVG is NCCL's native average (NCCL >= 2.10; older: SUM, then one division on
-the communication stream), bool reduces as uint8 (SUM/MAX/BOR = any, PRODUCT/MIN/BAND = all).
+the communication stream, ``numerics.averaged_``), bool reduces as uint8 (SUM/MAX/BOR = any,
+PRODUCT/MIN/BAND = all).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from typing import Callable, NoReturn
 
 import torch
 
+from .. import numerics
 from ..errors import SMDDPError, where
-from ..ops import BITWISE_OPS, RedOp, divide_
+from ..ops import BITWISE_OPS, RedOp
 from ..transports.base import block_offsets, overlap
 from .communicators import (NCCL_AVG_VERSION, NCCL_BF16_VERSION, NCCL_DTYPE_NAMES, NCCL_OP_NAMES, Communicators,
                             nccl_version_string)
@@ -141,7 +143,7 @@ class NcclPath:
             # (NVIDIA/nccl#1950): the conformance suite caught it on an H100 with NCCL 2.28.9
             red = RedOp.SUM
         if red is RedOp.AVG and not (self.avg_native and RedOp.AVG in self._op):
-            return self._dtype[dtype], self._op[RedOp.SUM], True  # integers: truncated, as ncclAvg does
+            return self._dtype[dtype], self._op[numerics.across_ranks(red)], True  # integers truncated, as ncclAvg
         return self._dtype[dtype], self._op[red], False
 
     # collectives -------------------------------------------------------------------------------
@@ -155,7 +157,7 @@ class NcclPath:
                     comm.allReduce(f.ptr, f.ptr, f.numel, dt, nop, stream)
             for f, (_, _, divide) in zip(flats, codes):
                 if divide:
-                    divide_(f.flat, self.world_size)
+                    numerics.averaged_(f.flat, self.world_size)
                 f.write_back()
 
         return self._launch("all_reduce", tensors[0].device, _touched(*flats), tensors, enqueue)
@@ -181,7 +183,7 @@ class NcclPath:
             comm.reduce(f.ptr, f.ptr, f.numel, dt, nop, root, stream)
             if self.rank == root:  # non-root tensors are left as they were
                 if divide:
-                    divide_(f.flat, self.world_size)
+                    numerics.averaged_(f.flat, self.world_size)
                 f.write_back()
 
         return self._launch("reduce", tensor.device, _touched(f), [tensor], enqueue)
@@ -218,7 +220,7 @@ class NcclPath:
         def enqueue(comm, stream: int) -> None:
             comm.reduceScatter(src.ptr, dst.ptr, dst.numel, dt, nop, stream)
             if divide:
-                divide_(dst.flat, self.world_size)
+                numerics.averaged_(dst.flat, self.world_size)
             dst.write_back()
 
         return self._launch("reduce_scatter", input.device, _touched(src, dst), [output], enqueue)
@@ -231,7 +233,7 @@ class NcclPath:
             packed = torch.cat([t.reshape(-1) for t in inputs])
             comm.reduceScatter(_ptr(packed), dst.ptr, dst.numel, dt, nop, stream)
             if divide:
-                divide_(dst.flat, self.world_size)
+                numerics.averaged_(dst.flat, self.world_size)
             dst.write_back()
 
         return self._launch("reduce_scatter", output.device, _touched(dst) + inputs, [output], enqueue)

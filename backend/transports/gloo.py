@@ -12,9 +12,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import numerics
 from ..call import Call
 from ..errors import PeerFailureError, ranks_said
-from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum
+from ..ops import LOW_PRECISION, RedOp
 from ..scratch import DEFAULT_MAX_BYTES, Scratch
 from .base import Capabilities, Transport, overlap
 from .local_peers import LocalPeers
@@ -185,7 +186,7 @@ class GlooTransport(Transport):
         return lambda: self._run(call, "all_gather", work)
 
     def reduce_scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp,
-                       accumulate: torch.dtype | None = None, divide_by: int | None = None) -> None:
+                       accumulate: torch.dtype | None = None, mean_of: int | None = None) -> None:
         """An all_to_all of the input's blocks, then this rank's reduction of the blocks it got.
 
         Gloo's own reduce_scatter (either form) ignores a bounded wait, so a rank waiting in it
@@ -198,16 +199,15 @@ class GlooTransport(Transport):
         ``accumulate``: reduce the received blocks in this dtype and round once into ``output``
         (float32 for 16-bit blocks, which is the default: 16 bits on the network, float32
         arithmetic). ``output`` may then differ from ``input`` in dtype (the hierarchical
-        transport's inter-host step). ``divide_by``: divide the reduction by it before that
-        rounding (an average; AVG itself divides by the group's size)."""
-        self.reduce_scatter_async(call, output, input, op, accumulate, divide_by)()
+        transport's inter-host step). ``mean_of``: how many ranks an AVG averages (default: the
+        group's size; more where each rank's blocks hold a sum over several ranks, a host's): its
+        sum is divided before that rounding."""
+        self.reduce_scatter_async(call, output, input, op, accumulate, mean_of)()
 
     def reduce_scatter_async(self, call: Call, output: torch.Tensor, input: torch.Tensor, op: RedOp,
-                             accumulate: torch.dtype | None = None, divide_by: int | None = None):
+                             accumulate: torch.dtype | None = None, mean_of: int | None = None):
         """Start a reduce_scatter; returns the function that waits for its blocks, reduces them
         into ``output`` and raises as reduce_scatter would."""
-        if op is RedOp.AVG:
-            op, divide_by = as_sum(op, self.world_size)
         if accumulate is None and input.dtype in LOW_PRECISION:
             accumulate = torch.float32
         received = torch.empty_like(input)
@@ -223,15 +223,9 @@ class GlooTransport(Transport):
             # that stays mapped, then an elementwise op. torch.sum(blocks, 0) over a float32 copy of
             # all blocks takes 15.5 ms for 16 MiB of bfloat16 where this takes 2.5, and a
             # mixed-dtype add makes its own fresh float32 copy (page faults from 32 MiB)
-            total.copy_(blocks[0])
-            for block in blocks[1:]:
-                if block.dtype != dtype:
-                    block = self._scratch.get("block", dtype, n).copy_(block)
-                COMBINE[op](total, block, out=total)
-            if divide_by is not None:
-                total.div_(divide_by)
-            if total is not output:
-                output.copy_(total)
+            widen_in = self._scratch.get("block", dtype, n) if blocks.dtype != dtype else None
+            numerics.reduce_blocks_(total, blocks, op, mean_of or self.world_size,
+                                    into=() if total is output else (output,), widen_in=widen_in)
 
         return finish
 

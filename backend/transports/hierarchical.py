@@ -56,8 +56,9 @@ import torch.distributed as dist
 
 from smddp_lite.config import QUANTIZED_WIRE_DTYPES
 
+from .. import numerics
 from ..call import Call
-from ..ops import LOW_PRECISION, RedOp, as_sum
+from ..ops import LOW_PRECISION, RedOp
 from .base import Capabilities, Transport
 from .gloo import GlooTransport
 from .refusals import RefusalBoard
@@ -175,30 +176,31 @@ class HierarchicalTransport(Transport):
             return self._flat_all_reduce(call, tensor, op)
         # AVG (16-bit only: all_reduces_16_bit_avg) is a SUM whose step between hosts divides in
         # float32 before its rounding; each host's sum (float16: mean) is rounded once on the way
-        in_host, op, divide_by = self._averaged_in_host(op, tensor.dtype)
+        in_host, op, mean_of = self._averaged_in_host(op, tensor.dtype)
         n, L = tensor.numel(), self.per_node
         piece = max(L, self.chunk_bytes // tensor.element_size() // L * L)  # whole shards per piece
         started = []
         for start in range(0, n, piece):
             part = tensor[start : start + piece]
             padded, shard = self._reduce_in_host(call, part, in_host)
-            started.append((self._start_inter_all_reduce(call, shard, op, divide_by),
+            started.append((self._start_inter_all_reduce(call, shard, op, mean_of),
                             lambda total, part=part, padded=padded: self._gather_in_host(call, part, padded, total)))
         _end_in_start_order(started)
 
     def _averaged_in_host(self, op: RedOp, dtype: torch.dtype) -> tuple[RedOp, RedOp, int | None]:
-        """(the op inside the host, the op between hosts, what the last float32 sum between hosts
-        is divided by before its rounding) for ``op`` on ``dtype``.
+        """(the op inside the host, the op between hosts, how many ranks the AVG between hosts
+        averages: its last float32 sum is divided by it before its rounding) for ``op`` on ``dtype``.
 
         An AVG is a SUM divided at the end, except in float16: a host's sum of float16 values can
         exceed float16's largest value (65504) where their mean cannot, and it is rounded to
         float16 before it crosses. So each host averages its ranks (shared memory sums in float32
         and divides before rounding), and the hosts' means are averaged between hosts. Hosts hold
         equal numbers of ranks here (Topology.uniform), so that is the mean over all ranks."""
-        if op is RedOp.AVG and dtype is torch.float16:
-            return RedOp.AVG, RedOp.SUM, self.nodes
-        summed, divide_by = as_sum(op, self.world_size)
-        return summed, summed, divide_by
+        if op is not RedOp.AVG:
+            return op, op, None
+        if dtype is torch.float16:
+            return RedOp.AVG, RedOp.AVG, self.nodes  # the hosts' means
+        return RedOp.SUM, RedOp.AVG, self.world_size  # the hosts' sums
 
     def _reduce_in_host(self, call: Call, tensor: torch.Tensor, op: RedOp) -> tuple[torch.Tensor, torch.Tensor]:
         """(``tensor`` padded to L equal shards, this rank's shard summed over its host)."""
@@ -219,17 +221,17 @@ class HierarchicalTransport(Transport):
             tensor.copy_(padded[: tensor.numel()])
 
     def _start_inter_all_reduce(self, call: Call, shard: torch.Tensor, op: RedOp,
-                                divide_by: int | None = None) -> Callable[[], torch.Tensor]:
+                                mean_of: int | None = None) -> Callable[[], torch.Tensor]:
         """Start reducing ``shard`` with the same-index ranks of the other hosts; returns the
         function that waits and returns the result: ``shard`` itself, or the sums as they came
         off a 16-bit wire (every local rank's in the same dtype, since all see the same config).
-        ``divide_by`` (a bfloat16 AVG's SUM): the float32 sums are divided before rounding."""
+        An AVG (16-bit, of ``mean_of`` ranks): the float32 sums are divided before rounding."""
         floating = shard.dtype.is_floating_point
         wire = self.wire if shard.dtype not in LOW_PRECISION else shard.dtype
-        if divide_by is not None:
+        if op is RedOp.AVG:
             # gloo's ring would round the sum before the division could happen; the exchange of
             # _start_compressed_sum sums in float32 on one rank per slice, which can divide first
-            return self._start_compressed_sum(call, shard, shard.dtype, divide_by)
+            return self._start_compressed_sum(call, shard, shard.dtype, op, mean_of)
         if op is RedOp.SUM and shard.dtype == torch.float32 and wire in QUANTIZED_WIRES:
             return self._start_quantized_sum(call, shard, wire)
         if op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
@@ -298,11 +300,11 @@ class HierarchicalTransport(Transport):
 
         return finish
 
-    def _start_compressed_sum(self, call: Call, shard: torch.Tensor, wire: torch.dtype,
-                              divide_by: int | None = None) -> Callable[[], torch.Tensor]:
+    def _start_compressed_sum(self, call: Call, shard: torch.Tensor, wire: torch.dtype, op: RedOp = RedOp.SUM,
+                              mean_of: int | None = None) -> Callable[[], torch.Tensor]:
         """Sum ``shard`` across hosts with ``wire`` on the network and float32 arithmetic: an
         all-to-all of wire-dtype slices (started now), then each host sums one slice (and
-        divides it by ``divide_by``, for an average) and the results are all-gathered (when
+        divides it, for an AVG of ``mean_of`` ranks) and the results are all-gathered (when
         finished)."""
         N, s = self.nodes, shard.numel()
         sub = math.ceil(s / N)
@@ -316,11 +318,8 @@ class HierarchicalTransport(Transport):
 
         def finish() -> torch.Tensor:
             exchanged()
-            total = slices[:sub].float()  # each slice is summed by one host only, in host order
-            for q in range(1, N):
-                total.add_(slices[q * sub : (q + 1) * sub])  # float32 += wire dtype, per element
-            if divide_by is not None:
-                total.div_(divide_by)
+            # each slice is summed by one host only, in host order
+            total = numerics.reduce_blocks_(torch.empty(sub, dtype=torch.float32), slices.view(N, sub), op, mean_of)
             gathered = slices  # consumed above: reuse it for the sums
             self.inter.all_gather(call, gathered, total.to(wire))
             return gathered[:s]
@@ -330,11 +329,8 @@ class HierarchicalTransport(Transport):
     def _flat_all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:
         if tensor.dtype in LOW_PRECISION:  # widened, as in _start_inter_all_reduce
             wide = tensor.float()
-            summed_op, divide_by = as_sum(op, self.world_size)
-            self.flat.all_reduce(call, wide, summed_op)
-            if divide_by is not None:
-                wide.div_(divide_by)
-            tensor.copy_(wide)
+            self.flat.all_reduce(call, wide, numerics.across_ranks(op))
+            numerics.finish_(wide, op, self.world_size, into=tensor)
         else:
             self.flat.all_reduce(call, tensor, op)
 
@@ -402,10 +398,8 @@ class HierarchicalTransport(Transport):
         # AVG (16-bit only: reduce_scatters_16_bit) is a SUM whose last, float32 step divides
         # before rounding; each host's sum (float16: mean) is rounded once on the way, as in a SUM
         if not self._hierarchical("reduce_scatter", input.numel() * input.element_size(), input.dtype):
-            op, divide_by = as_sum(op, self.world_size)
-            return self.flat.reduce_scatter(call, output, input, op, accumulate=_float32_for_16_bit(input),
-                                            divide_by=divide_by)
-        in_host, op, divide_by = self._averaged_in_host(op, input.dtype)
+            return self.flat.reduce_scatter(call, output, input, op, accumulate=_float32_for_16_bit(input))
+        in_host, op, mean_of = self._averaged_in_host(op, input.dtype)
         m, N = output.numel(), self.nodes
         blocks = input.view(self.world_size, m)
         # Pieces of every block, as the all_reduce's: each piece's exchange between hosts runs on
@@ -425,7 +419,7 @@ class HierarchicalTransport(Transport):
                 self.intra.reduce_scatter(call, host_sums, grouped.view(-1), in_host)
             # host_sums: my index's blocks, summed over my host
             sent = self._reduce_scatter_wire(host_sums, op)
-            started.append((self.inter.reduce_scatter_async(call, output[columns], sent, op, divide_by=divide_by,
+            started.append((self.inter.reduce_scatter_async(call, output[columns], sent, op, mean_of=mean_of,
                                                             accumulate=_float32_for_16_bit(sent)), None))
         _end_in_start_order(started)
 

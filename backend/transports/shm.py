@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import numerics
 from ..call import Call
-from ..ops import COMBINE, LOW_PRECISION, RedOp, as_sum, dtype_of_code, moved_as_bytes, signature_code
+from ..ops import COMBINE, LOW_PRECISION, RedOp, dtype_of_code, moved_as_bytes, signature_code
 from ..signatures import OPS, REDUCE_ROOT_FACTOR
 from .base import Capabilities, Transport, block_offsets
 from .shm_segment import ShmSegment
@@ -96,23 +97,18 @@ class ShmTransport(Transport):
         AVG comes only for 16-bit floats (all_reduces_16_bit_avg, reduce_scatters_16_bit).
         """
         numel, dtype, shape = sources[0].numel(), sources[0].dtype, sources[0].shape
-        op, divide_by = as_sum(op, self.world_size)
+        if dtype in LOW_PRECISION and op in (RedOp.SUM, RedOp.AVG, RedOp.PRODUCT):
+            # float32 accumulation, an AVG divided, one rounding into each of dest
+            numerics.reduce_blocks_(self._acc[:numel].view(shape), sources, op, self.world_size, into=dest)
+            return
         fn = COMBINE[op]
-        if dtype in LOW_PRECISION and op in (RedOp.SUM, RedOp.PRODUCT):
-            acc = self._acc[:numel].view(shape)
-            acc.copy_(sources[0])
-            for src in sources[1:]:
-                fn(acc, src, out=acc)  # float32 += 16-bit promotes per element: float32 accumulation
-            if divide_by is not None:
-                acc.div_(divide_by)  # before the rounding into dest, as a widened AVG would
-        else:
-            later = {s.data_ptr() for s in sources[2:]}
-            acc = next((d for d in dest if d.data_ptr() not in later), None)
-            if acc is None:
-                acc = self._scratch.view(dtype)[:numel].view(shape)
-            fn(sources[0], sources[1], out=acc)
-            for src in sources[2:]:
-                fn(acc, src, out=acc)
+        later = {s.data_ptr() for s in sources[2:]}
+        acc = next((d for d in dest if d.data_ptr() not in later), None)
+        if acc is None:
+            acc = self._scratch.view(dtype)[:numel].view(shape)
+        fn(sources[0], sources[1], out=acc)
+        for src in sources[2:]:
+            fn(acc, src, out=acc)
         for d in dest:
             if d.data_ptr() != acc.data_ptr():
                 d.copy_(acc)
