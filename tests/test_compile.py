@@ -690,7 +690,7 @@ def test_optimizer_benchmark_runs_on_cpu(tmp_path):
                     "2", "--no-torch-compile", "--json", str(out)], cwd=root, check=True, timeout=120,
                    capture_output=True)
     rows = json.loads(out.read_text())["rows"]
-    assert {r["variant"] for r in rows} == {"eager", "folded", "folded-flat", "smddp"}
+    assert {r["variant"] for r in rows} == {"eager", "folded", "folded-flat", "smddp", "smddp-all"}
     assert all(r["median_ms"] > 0 for r in rows)
 
 
