@@ -10,7 +10,9 @@ SMDDP_INTER_NODE_WIRE_DTYPE for flat, hierarchical, compressed), smddp-compiled 
 --wire-dtype for its gradient wire dtype, --shard-optimizer-state for the sharded step), gloo-fsdp and smddp-fsdp (FSDP2: fully_shard on each
 layer and the model, --param-dtype for its MixedPrecisionPolicy; parameters are all-gathered
 before use and gradients reduce-scattered). ``--optimizer`` picks SGD with momentum (the default)
-or AdamW. On simulated hosts (benchmarks/multinode) the report also gives the bytes the hosts
+or AdamW. ``no-sync`` is the lab's limit: the same processes, model, optimizer and batches, each
+rank training alone with no gradient sync (a gloo group only times and reports, outside the
+steps). On simulated hosts (benchmarks/multinode) the report also gives the bytes the hosts
 sent each other per timed step, read from each host's eth0 counters.
 """
 
@@ -52,8 +54,8 @@ def host_bytes_sent(counts: bool) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", required=True, choices=["gloo", "gloo-fp16-hook", "smddp", "smddp-compiled",
-                                                                 "gloo-fsdp", "smddp-fsdp"])
+    parser.add_argument("--variant", required=True, choices=["no-sync", "gloo", "gloo-fp16-hook", "smddp",
+                                                                 "smddp-compiled", "gloo-fsdp", "smddp-fsdp"])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     parser.add_argument("--warmup", type=int, default=3)
@@ -65,7 +67,7 @@ def main() -> None:
     parser.add_argument("--save-params", help="rank 0 writes the final parameters here (torch.save)")
     args = parser.parse_args()
 
-    backend = "gloo" if args.variant.startswith("gloo") else "smddp"
+    backend = "gloo" if args.variant.startswith("gloo") or args.variant == "no-sync" else "smddp"
     smddp_lite.init(backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     hosts = [None] * world
@@ -82,6 +84,8 @@ def main() -> None:
                 fully_shard(layer, mp_policy=policy)
         model = fully_shard(module, mp_policy=policy)
         optimizer = make_optimizer(args.optimizer, module)
+    elif args.variant == "no-sync":
+        model, optimizer = module, make_optimizer(args.optimizer, module)
     elif args.variant == "smddp-compiled":
         model, optimizer = smddp_lite.compile(module, make_optimizer(args.optimizer, module), wire_dtype=args.wire_dtype,
                                               shard_optimizer_state=args.shard_optimizer_state)
