@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .call import Call
 from .errors import PeerRefusedError, RecoverableMismatchError, where
-from . import numerics
+from . import agreement, numerics
 from .ops import LOW_PRECISION, RedOp, flat_view, moved_as_bytes
 from .scratch import DEFAULT_MAX_BYTES, Scratch
 from .signatures import REDUCE_ROOT_FACTOR, mismatch_said, paired_with_size_exchange_said, signature
@@ -155,13 +155,15 @@ class Collectives:
                 board.entering(call.index, mine)
             return step
         try:
+            # the transport's own all_gather, not agreement.exchange_in_group: this runs inside
+            # every collective, and int64 signatures need no words or second call
             everyone = self.transport.signature_check(call.step(mine), mine)  # int64 signatures: no bytes carried
         except PeerRefusedError:  # says what happened, naming this call, as it would without the check
             raise
         except dist.DistBackendError as exc:
             raise type(exc)(f"{where(self.rank, self.world_size, op)} checking that every rank called "
                             f"the same collective failed: {exc}") from exc
-        if all(s == mine for s in everyone):
+        if agreement.agreed(everyone):
             return step
         said = mismatch_said([(r, call.index, s) for r, s in enumerate(everyone)])
         raise RecoverableMismatchError(f"{where(self.rank, self.world_size, op)} {said} {_STILL_USABLE}")

@@ -6,13 +6,15 @@ Three checks use them: ``SMDDP_CHECK_COLLECTIVES``' all_gather of every call's s
 (algorithms.Collectives._agree), the look that ranks waiting long in a call take at each other's
 signatures through the store (refusals.RefusalBoard.mismatch_in), which is always on, and the
 headers of the shared-memory transport (shm.py). All three say what they found in the same words
-(``mismatch_said``).
+(``mismatch_said``), which name the ranks holding each call through agreement.said, as every check
+that ranks agree does.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import agreement
 from .errors import ranks_said
 from .ops import RedOp, dtype_name, dtype_of_code, signature_code
 
@@ -76,12 +78,12 @@ def mismatch_said(calls: list[tuple[int, int, list[int]]], waiting: bool = False
     differences suggest. Starts with MISMATCH_SAID, ends with a full stop."""
     numbers = {number for _, number, _ in calls}
     same_number = len(numbers) == 1
-    named: dict[str, list[int]] = {}
-    for rank, number, sig in sorted(calls):
-        named.setdefault(describe(sig) if same_number else f"call #{number} {describe(sig)}", []).append(rank)
+    ordered = sorted(calls)
+    each = agreement.said([describe(sig) if same_number else f"call #{number} {describe(sig)}"
+                           for _, number, sig in ordered], [rank for rank, _, _ in ordered],
+                          each="{ranks}: {value}", joined="; ")
     which = f" as call #{numbers.pop()} of this group" if same_number else ""
     how = ", and each waits for the others in it" if waiting else ""
-    each = "; ".join(f"{ranks_said(ranks)}: {said}" for said, ranks in named.items())
     if look is None:
         look = _where_to_look([sig for _, _, sig in calls]) if same_number else _LOOK_FOR_AN_EXTRA_CALL
     return f"{MISMATCH_SAID}{which}{how}: {each}. {look}"
@@ -92,9 +94,10 @@ def paired_with_size_exchange_said(call: int, sig: list[int], ranks: list[int], 
     an exchange of sizes, are told when ``others`` sent no sizes into it: those made another
     collective that moves ``nbytes`` per rank, as the exchange does, and the two paired, so theirs
     returned the sizes as its data. Starts with MISMATCH_SAID, ends with a full stop."""
-    each = sorted([(ranks, describe(sig)), (others, f"another collective of {nbytes} bytes per rank, which paired "
-                                                     f"with {_SPLIT_SIZES_SAID} (as long)")])
-    return (f"{MISMATCH_SAID} as call #{call} of this group: {'; '.join(f'{ranks_said(r)}: {said}' for r, said in each)}, "
+    other = f"another collective of {nbytes} bytes per rank, which paired with {_SPLIT_SIZES_SAID} (as long)"
+    shown = sorted([(r, describe(sig)) for r in ranks] + [(r, other) for r in others])
+    each = agreement.said([said for _, said in shown], [r for r, _ in shown], each="{ranks}: {value}", joined="; ")
+    return (f"{MISMATCH_SAID} as call #{call} of this group: {each}, "
             f"so the result of that call on {ranks_said(others)} is the other ranks' sizes, not data. Some ranks passed "
             "split sizes (or output tensors of different sizes) and others did not: every rank must call the same "
             "form of the collective.")

@@ -15,6 +15,7 @@ import warnings
 from datetime import timedelta
 from typing import Callable
 
+from .. import agreement
 from ..errors import ranks_said, where
 from .staged import StagedPath
 
@@ -58,24 +59,19 @@ def agree_on_path(store, rank: int, world_size: int, timeout: timedelta, setting
                   unavailable: str | None) -> None:
     """Every rank of the group says whether NCCL loaded (``unavailable`` is None) or not
     (``unavailable`` says why); where they differ, every rank raises the same ``ValueError``
-    instead of some staging through host memory while the others wait in NCCL. Six store calls
-    per rank where they agree, once per group (again if making the paths failed)."""
+    instead of some staging through host memory while the others wait in NCCL. Four store calls
+    per rank (agreement.exchange_in_store), once per group (again if making the paths failed)."""
     if store is None or world_size == 1:
         return
     # the paths are made again at the next CUDA call after one that failed (this refusal, or
     # NCCL's set-up): every rank is then at the same attempt, which compares on keys of its own
     attempt = store.add(f"cuda_path/attempts/{rank}", 1)
-    key = f"cuda_path/{attempt}"
-    store.set(f"{key}/{rank}", "" if unavailable is None else unavailable)
-    store.add(f"{key}/nccl", int(unavailable is None))
-    if store.add(f"{key}/arrived", 1) == world_size:
-        store.set(f"{key}/all", "1")
-    store.wait([f"{key}/all"], timeout)
-    if store.add(f"{key}/nccl", 0) in (0, world_size):
+    said = agreement.exchange_in_store(store, f"cuda_path/{attempt}", rank, world_size,
+                                       "" if unavailable is None else unavailable, timeout)
+    if agreement.agreed([not why for why in said]):  # "": NCCL loaded
         return
-    said = {r: store.get(f"{key}/{r}").decode() for r in range(world_size)}
-    loaded = [r for r, why in said.items() if not why]
-    missing = [r for r, why in said.items() if why]
+    loaded = [r for r, why in enumerate(said) if not why]
+    missing = [r for r, why in enumerate(said) if why]
     raise ValueError(
         f"{where(rank, world_size, 'CUDA tensors')} SMDDP_CUDA_TRANSPORT={setting}: NCCL (through cupy) loaded on "
         f"{ranks_said(loaded)} but not on {ranks_said(missing)} ({ranks_said(missing[:1])}: {said[missing[0]]}), and "

@@ -37,6 +37,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .. import agreement
 from ..errors import CollectiveMismatchError, PeerFailureError, PeerRefusedError, SMDDPError
 from ..signatures import MISMATCH_SAID, mismatch_said
 
@@ -115,18 +116,17 @@ class RefusalBoard:
         thread for the group's timeout, and destroy_process_group for 5 s)."""
         key = str(call)
         self._store.set(key, f"rank {self.rank} refused this call: {reason}")
-        self._store.set(f"{key}/{self.rank}", REFUSED)
+        agreement.publish(self._store, key, self.rank, REFUSED)  # every rank's outcome, learnt below
         self._store.set(LATEST_REFUSAL_KEY, key)
         self._store.add(NEWS_KEY, 1)  # after the keys it announces (heard() reads them in that order)
         self._settled = max(self._settled, call)
         if not learn_outcome:
             return None
-        outcomes = [f"{key}/{r}" for r in range(self.world_size)]
         try:
-            self._store.wait(outcomes, self.timeout)
+            outcomes = agreement.learn(self._store, key, self.world_size, self.timeout)
         except (RuntimeError, OSError) as exc:  # DistStoreError: the timeout, or the store's host died
             return f"this rank refused call #{call}, and could not learn whether its peers entered it ({exc})"
-        left = [r for r, k in enumerate(outcomes) if self._store.get(k).decode() == LEFT]
+        left = [r for r, outcome in enumerate(outcomes) if outcome == LEFT]
         if not left:
             return None
         return (f"this rank refused call #{call} while rank(s) {', '.join(map(str, left))} were inside it; they "
@@ -170,6 +170,8 @@ class RefusalBoard:
         return said
 
     def _compare(self, call: int, step: int, mine: list[int]) -> str | None:
+        # Not agreement.exchange_in_store: only ranks whose wait lasts post, so a rank compares
+        # with the first peer that posted (one compare_set), never waits for every rank's value.
         # A slot holding an older call's entry is taken over (compare_set on the entry found), so
         # two ranks that find it stale still meet in one entry
         key = f"signature/{call % SIGNATURE_SLOTS}"
@@ -184,7 +186,7 @@ class RefusalBoard:
             if (int(their_call), int(their_step)) > (call, step):
                 return None  # a peer is past this step: it finished it, so it is no mismatch
             if (int(their_call), int(their_step)) == (call, step):
-                if theirs == written:
+                if agreement.agreed([theirs, written]):
                     return None
                 peer, their_signature = int(their_rank), [int(v) for v in theirs.split(",")]
                 return self._post_mismatch(mismatch_said([(peer, call, their_signature), (self.rank, call, mine)],
@@ -270,15 +272,15 @@ class RefusalBoard:
         # this call refused (a peer that refused it too may since have refused a later one)
         if latest >= call and self._store.check([key]):
             said = self._store.get(key).decode(errors="replace")
-            self._store.set(f"{key}/{self.rank}", LEFT)
+            agreement.publish(self._store, key, self.rank, LEFT)
             return said
         if latest < call and latest > self._settled:
             # an earlier call refused by a peer, which this rank neither refused nor left: its part
             # ended without that rank, whose next call would pair with it
             self._settled = latest
-            if not self._store.check([f"{latest}/{self.rank}"]):
+            if agreement.absent(self._store, str(latest), [self.rank]):
                 said = self._store.get(str(latest)).decode(errors="replace")
-                self._store.set(f"{latest}/{self.rank}", LEFT)
+                agreement.publish(self._store, str(latest), self.rank, LEFT)
                 return said.replace("refused this call", f"refused call #{latest}, which this rank's part "
                                     "ended without it", 1)
         return None

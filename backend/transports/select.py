@@ -7,6 +7,7 @@ import os
 import platform
 import socket
 
+from .. import agreement
 from ..errors import where
 from .base import Transport
 from .hierarchical import Topology
@@ -36,9 +37,10 @@ def _shm_possible() -> bool:
 def _choose(store, rank: int, world_size: int, config) -> tuple[str, str, list[str]]:
     """(transport, reason, every rank's host); ranks publish their host name and the settings
     they must share, every rank checks those, rank 0 decides."""
-    # one key per rank for both: a group's init reads world_size keys on every rank
-    store.set(f"host/{rank}", f"{host_name(config)}\n{shared_values(config)}")
-    hosts, published = zip(*(store.get(f"host/{r}").decode().split("\n", 1) for r in range(world_size)))
+    # one key per rank for both: a group's init reads them in one multi_get on every rank
+    everyone = agreement.exchange_in_store(store, "host", rank, world_size,
+                                           f"{host_name(config)}\n{shared_values(config)}")
+    hosts, published = zip(*(value.split("\n", 1) for value in everyone))
     hosts = list(hosts)
     differ = disagreement(list(published))
     if differ is not None:  # every rank read the same keys: each raises this itself

@@ -5,14 +5,15 @@ Ranks that read different values (a variable exported on one host only, an ``mpi
 ``-x``) would call different steps for the same collective: a hang until the group's timeout,
 a mismatch named in the steps' terms, or, for a shared-memory layout, silently wrong data. So
 each rank publishes its values beside its host name at init, every rank compares them all, and
-each raises the same error naming the setting, its values and the ranks holding each.
+each raises the same error naming the setting, its values and the ranks holding each
+(agreement.py's exchange through the store, comparison and words).
 """
 
 from __future__ import annotations
 
 import json
 
-from ..errors import ranks_said
+from .. import agreement
 
 # setting -> how the user sets it (the message names the variable to fix). Only what shapes the
 # collectives' steps: SMDDP_DEBUG's logging, SMDDP_BLOCKING_WAIT and the scratch size stay local.
@@ -41,17 +42,14 @@ def disagreement(published: list[str]) -> str | None:
     """What differs between the ranks' published values (``shared_values``, rank by rank), as the
     body of an init error, or None where every rank agrees. Every rank computes it from the same
     list, so each raises the same words."""
-    if len(set(published)) == 1:
+    if agreement.agreed(published):
         return None
     values = [json.loads(p) for p in published]
     differing = []
     for name, variable in SHARED.items():
-        holders: dict[str, list[int]] = {}
-        for rank, mine in enumerate(values):
-            holders.setdefault(_shown(mine.get(name)), []).append(rank)
-        if len(holders) > 1:
-            each = " and ".join(f"{value} on {ranks_said(ranks)}" for value, ranks in holders.items())
-            differing.append(f"{variable} is {each}")
+        shown = [_shown(mine.get(name)) for mine in values]
+        if not agreement.agreed(shown):
+            differing.append(f"{variable} is {agreement.said(shown, joined=' and ')}")
     return ("the ranks of this group run with different settings, so their collectives would take different "
             f"steps and wait for each other or mix their data: {'; '.join(differing)}. Every rank must see the "
             "same SMDDP_* settings: set them where the launcher passes them to every host (torchrun and srun pass "

@@ -28,6 +28,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from .. import agreement
 from ..errors import PeerFailureError, PeerRefusedError, SegmentRefusedError, ranks_said, where
 from ..signatures import MISMATCH_SAID, mismatch_said
 from .local_peers import alive
@@ -128,12 +129,14 @@ class ShmSegment:
         raising (the hierarchical transport's board: ranks on other hosts hear of it there)."""
         base = HEADER + (header[0] % 2) * len(HEADER_FIELDS)
         headers = self.control[:, base : base + len(HEADER_FIELDS)]
+        # one numpy compare in place, not agreement.agreed over rows read out: this runs in every
+        # call of the shared-memory fast path; what follows a difference is agreement's
         if (headers == np.asarray(header, dtype=np.int64)).all():
             return
         rows = [tuple(int(v) for v in h) for h in headers]
         self._refusal_behind_mismatch(header[1], rows)
         look = None
-        if len({row[_CALL_FIELDS] for row in rows}) == 1 and any(rows[0][_CALL_FIELDS]):
+        if agreement.agreed([row[_CALL_FIELDS] for row in rows]) and any(rows[0][_CALL_FIELDS]):
             # the users' calls (shown where the ops are steps of one: the hierarchical
             # transport's) agree and their steps do not: name the steps. The settings that
             # choose steps agree (init compares them: shared_settings.py), so nothing the user

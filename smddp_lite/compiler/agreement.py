@@ -7,7 +7,8 @@ clips gradients (or rounds them to its own wire dtype) while the others do not t
 silently, its parameters drifting apart from theirs. So compile compares, in one small
 all_gather, a fingerprint of what shapes the collectives and the update; only where
 fingerprints differ does a second all_gather bring each rank's words, and every rank raises the
-same error naming what differs, its value on each rank, and what to change.
+same error naming what differs, its value on each rank, and what to change (the exchange, the
+comparison and the words are backend/agreement.py's).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import zlib
 
 import torch
 
-from ..backend.errors import ranks_said
+from ..backend import agreement
 from ..config import QUANTIZED_WIRE_DTYPES
 from .sharding import ALL_GATHER
 
@@ -86,21 +87,11 @@ def check_ranks_agree(group, rank: int, world: int, device: torch.device, entrie
     """Raise one ValueError on every rank where ``entries`` (``what_must_agree``) differ across
     the ranks of ``group``. Collective: every rank must call it; one all_gather of two numbers
     where the ranks agree."""
-    words = json.dumps([value for _, value, _ in entries]).encode()
-    mine = torch.tensor([zlib.crc32(words), len(words)], dtype=torch.int64, device=device)
-    table = torch.empty(world * 2, dtype=torch.int64, device=device)
-    ALL_GATHER(table, mine, group=group)
-    rows = table.view(world, 2).tolist()
-    if all(row == rows[0] for row in rows):
+    published = agreement.exchange_in_group(json.dumps([value for _, value, _ in entries]), world,
+                                            lambda out, mine: ALL_GATHER(out, mine, group=group), device)
+    if agreement.agreed(published):
         return
-    # every rank saw the same table, so every rank makes this second call
-    longest = max(length for _, length in rows)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: len(words)] = torch.frombuffer(bytearray(words), dtype=torch.uint8)
-    everyone = torch.empty(world * longest, dtype=torch.uint8, device=device)
-    ALL_GATHER(everyone, padded.to(device), group=group)
-    flat = everyone.cpu().view(world, longest)
-    values = [json.loads(bytes(flat[r, :length].tolist())) for r, (_, length) in enumerate(rows)]
+    values = [json.loads(p) for p in published]
     raise ValueError(f"smddp_lite.compile (rank {rank}/{world}): the ranks compiled different models or options, "
                      "so their collectives would not line up (a hang, an abort, or parameters that drift apart): "
                      f"{_differences(entries, values)} Nothing was compiled: the model and optimizer are as they "
@@ -111,14 +102,12 @@ def _differences(entries: list[tuple[str, str, str]], values: list[list[str]]) -
     """What differs, each with every rank's value, then what to do about it."""
     said, named, fixes = [], set(), []
     for i, (what, _, fix) in enumerate(entries):
-        holders: dict[str, list[int]] = {}
-        for r, theirs in enumerate(values):
-            holders.setdefault(theirs[i], []).append(r)
+        column = [theirs[i] for theirs in values]
         # a count that differs is named once (not again by its shapes), and models that differ
         # make other buckets anyway
-        if len(holders) == 1 or what in named or (what == BUCKETS and SAME_MODEL in fixes):
+        if agreement.agreed(column) or what in named or (what == BUCKETS and SAME_MODEL in fixes):
             continue
         named.add(what)
-        said.append(f"{what}: {', '.join(f'{v} on {ranks_said(r)}' for v, r in holders.items())}")
+        said.append(f"{what}: {agreement.said(column)}")
         fixes += [] if fix in fixes else [fix]
     return f"{'; '.join(said)}. " + " ".join(f"{fix[0].upper()}{fix[1:]}." for fix in fixes)

@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..backend import numerics
+from ..backend import agreement, numerics
 from .buckets import Bucket
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names (a FutureWarning on every call)
@@ -50,12 +50,10 @@ def check_every_rank_calls(what: str, world: int, rank: int) -> None:
     wait_s = ARRIVAL_WAIT_S
     store = dist.distributed_c10d._get_default_store()
     prefix = f"smddp_lite/arrivals/{next(_arrivals)}"
-    store.set(f"{prefix}/{rank}", what)
-    keys = [f"{prefix}/{r}" for r in range(world)]
     try:
-        store.wait(keys, timedelta(seconds=wait_s))
+        agreement.exchange_in_store(store, prefix, rank, world, what, timedelta(seconds=wait_s))
     except (dist.DistStoreError, RuntimeError):
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        missing = agreement.absent(store, prefix, range(world))
         raise RuntimeError(
             f"smddp_lite (rank {rank}/{world}): {what} is a collective with shard_optimizer_state=True (each rank "
             f"holds only its share of the state), and rank(s) {missing} did not call it within {wait_s:.0f} s. Call it "
