@@ -21,7 +21,7 @@ from typing import Any, Callable, NoReturn
 import torch
 import torch.distributed as dist
 
-from . import numerics, ops
+from . import flight_recorder, numerics, ops
 from .algorithms import Collectives
 from .call import Call
 from .errors import InvalidCallError, RecoverableMismatchError, SMDDPError, where
@@ -135,6 +135,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._cuda = None  # CudaPaths, made on the first call with CUDA tensors
         self._fast_cuda = None  # its FastCalls, where NCCL loaded (see _route_by_device)
         self._peers = PeerLinks(store, rank, timeout)  # send/recv links: none is made before its first call
+        # the last calls, for torch's analyzer (TORCH_FR_BUFFER_SIZE; None when 0)
+        self._recorder = flight_recorder.for_group(store, self, global_ranks, timeout.total_seconds())
         if rank == 0:
             members = "all ranks" if global_ranks is None else f"global ranks {list(global_ranks)}"
             # the default group's choice always shows; subgroups' in debug mode
@@ -204,8 +206,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 from .cuda.nccl_path import NeedsStaging
 
                 raise NeedsStaging(op)
+            if self._recorder is not None:  # enqueued is started; the watchdog reports its end or failure
+                nccl = self._recorder.track(call, op, tensors, outputs, nccl, prefix="nccl", ends=False)
             with torch.no_grad():  # see run() below
-                return nccl(self._cuda.nccl)
+                return flight_recorder.profiled(op, tensors, outputs, lambda: nccl(self._cuda.nccl))
+        if self._recorder is not None:
+            body = self._recorder.track(call, op, tensors, outputs, body)
 
         def run() -> None:
             if self._failure is not None:
@@ -226,7 +232,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                                  f"({type(exc).__name__}) while its peers may still be in it")
                 raise
 
-        return self._comm.submit(run, self._work(op, outputs))
+        return flight_recorder.profiled(op, tensors, outputs, lambda: self._comm.submit(run, self._work(op, outputs)))
 
     def _preparing(self, op: str) -> "_Preparing":
         """Around what a call does with its arguments before ``_run`` numbers it (reading the
@@ -624,6 +630,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
             raise NeedsStaging(kind)
         describe = f"{where(rank, size, kind)} {'to' if kind == 'send' else 'from'} rank {peer} (tag {tag})"
+        if self._recorder is not None:
+            self._recorder.record_p2p(kind, rank, peer, tensors[0])
         return self._peers.start(kind, tensors[0], peer, tag, describe)
 
 
@@ -666,6 +674,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def _cuda_failed(self, reason: str) -> None:
         self._failure = self._failure or reason
+        if self._recorder is not None:
+            self._recorder.failed(reason)
 
     # lifetime ----------------------------------------------------------------------------------
     def shutdown(self, *args, **kwargs) -> None:
@@ -678,6 +688,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
+        if self._recorder is not None:
+            self._recorder.close()
         if self._cuda is not None:
             self._cuda.close(abort)
         self._comm.stop()

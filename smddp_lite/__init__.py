@@ -16,9 +16,10 @@ import logging as _logging
 from ._registration import BACKEND_NAME, register as _register
 from .hyperparams import scale_lr
 from .launch import init
+from .backend.flight_recorder import dump as dump_fr_trace, write as write_fr_trace
 
 __version__ = "0.1.0"
-__all__ = ["BACKEND_NAME", "compile", "init", "scale_lr", "__version__"]
+__all__ = ["BACKEND_NAME", "compile", "dump_fr_trace", "init", "scale_lr", "write_fr_trace", "__version__"]
 
 _register()
 
