@@ -34,6 +34,8 @@ CELLS = {  # transport: (launch options, world size for each case)
     "shm": (dict(env={"SMDDP_TRANSPORT": "shm", **ON}), 2),
     "gloo": (dict(env={"SMDDP_TRANSPORT": "gloo", **ON}), 2),
     "hierarchical": (dict(env={"SMDDP_ALGORITHM": "hierarchical", **ON}, hosts_of=2), 4),
+    # mpiexec ends every rank when one dies unless told not to: the survivors must live to dump
+    "mpi": (dict(env={"SMDDP_TRANSPORT": "mpi", **ON}, launcher_flags=("-disable-auto-cleanup",)), 2),
 }
 
 
@@ -44,13 +46,19 @@ def analyze(folder: Path, *flags: str) -> str:
 
 
 @pytest.mark.parametrize("case", ["skip", "op", "size", "stop", "die"])
-@pytest.mark.parametrize("transport", sorted(CELLS))
+@pytest.mark.parametrize("transport", [pytest.param(t, marks=[pytest.mark.mpi] if t == "mpi" else [])
+                                       for t in sorted(CELLS)])
 def test_the_analyzer_names_the_rank_and_the_call(transport, case, tmp_path):
     options, world = CELLS[transport]
     if case in ("op", "size"):
         world = max(world, 3)  # with two ranks, either one is as much the odd one out
-    results = harness.launch("tests.flight_recorder_programs:drill", world, case=case, culprit=1,
-                             dump_dir=str(tmp_path), timeout=90, **options)
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+        results = harness.launch_mpi("tests.flight_recorder_programs:drill", world, case=case, culprit=1,
+                                     dump_dir=str(tmp_path), timeout=90, **options)
+    else:
+        results = harness.launch("tests.flight_recorder_programs:drill", world, case=case, culprit=1,
+                                 dump_dir=str(tmp_path), timeout=90, **options)
     dumped = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(PREFIX) and "." not in p.name)
     alive = [r for r in range(world) if case != "die" or r != 1]
     assert dumped == [f"{PREFIX}{r}" for r in alive], (dumped, [(r.rank, r.value, r.output[-2000:]) for r in results])
