@@ -20,7 +20,9 @@ import errno
 import mmap
 import os
 import re
+import signal
 import stat
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -73,21 +75,23 @@ class ShmSegment:
         self._reason_off = self._control_bytes
         self._data_off = _align(self._reason_off + world_size * REASON_BYTES)
         size = self._data_off + 2 * world_size * chunk_bytes
-        self._mm, path = _map_shared(store, rank, world_size, size, self.timeout_s)
-        self.control = np.frombuffer(self._mm, dtype=np.int64, count=world_size * CONTROL_WORDS)
-        self.control = self.control.reshape(world_size, CONTROL_WORDS)
-        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self.control[rank, PID] = os.getpid()
-        self.control[rank, REJECTED] = -1
-        self.control[rank, CALL] = -1
-        self.phase = 0
-        self.op_shown = "init"  # the op this rank is in, as messages name it (entering)
-        # the rank that maps last removes the segment's name: rank 0 may be gone by then (killed
-        # while it waited), and the name must not outlive the job
-        if int(store.add("shm/mapped", 1)) == world_size:
-            _unlink_quietly(path)
-        if rank == 0:
-            self._unlink_once_mapped(store, path)
+        made = os.path.join(SHM_DIR, _segment_name()) if rank == 0 else None
+        with _removed_if_ended(made):  # a launcher ending rank 0 before all mapped it leaves no name
+            self._mm, path = _map_shared(store, rank, world_size, size, self.timeout_s, made)
+            self.control = np.frombuffer(self._mm, dtype=np.int64, count=world_size * CONTROL_WORDS)
+            self.control = self.control.reshape(world_size, CONTROL_WORDS)
+            self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+            self.control[rank, PID] = os.getpid()
+            self.control[rank, REJECTED] = -1
+            self.control[rank, CALL] = -1
+            self.phase = 0
+            self.op_shown = "init"  # the op this rank is in, as messages name it (entering)
+            # the rank that maps last removes the segment's name: rank 0 may be gone by then (killed
+            # while it waited), and the name must not outlive the job
+            if int(store.add("shm/mapped", 1)) == world_size:
+                _unlink_quietly(path)
+            if rank == 0:
+                self._unlink_once_mapped(store, path)
         self.barrier()  # every pid and flag above is visible before the first collective
 
     def _unlink_once_mapped(self, store, path: str) -> None:
@@ -389,13 +393,52 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
-def _map_shared(store, rank: int, world_size: int, size: int, timeout_s: float) -> tuple[mmap.mmap, str]:
-    """Rank 0 creates the segment and publishes its name; every other rank opens what was
-    published only after checking it is such a segment. Returns the mapping and the path."""
+# what a launcher ends a job's workers with: torchrun sends SIGTERM when one worker fails, and
+# passes on the SIGINT, SIGHUP or SIGQUIT it gets itself. At their default action each ends the
+# process at once, with no finally run
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+@contextlib.contextmanager
+def _removed_if_ended(path: str | None):
+    """While inside, a signal that would end this process removes ``path`` first (rank 0's
+    segment, which until every rank has mapped it only rank 0 removes), then ends the process
+    as the signal's default action does, so the launcher sees the same exit. Where ``path`` is
+    None (the other ranks), nothing is done.
+
+    Only signals left at their default action get this handler, and only for the time inside:
+    one the user handles or ignores stays theirs (a handler of theirs that raises, as Python's
+    own SIGINT handler does, reaches _unlink_once_mapped's cleanup anyway). Python runs signal
+    handlers in the main thread, between bytecodes, so the unlink there is safe; a segment made
+    on another thread goes without, and is left to remove_stale_segments."""
+    if path is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def remove_and_end(signum, frame) -> None:
+        _unlink_quietly(path)
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+    ours = [s for s in _ENDING_SIGNALS if signal.getsignal(s) == signal.SIG_DFL]
+    for signum in ours:
+        signal.signal(signum, remove_and_end)
+    try:
+        yield
+    finally:
+        for signum in ours:
+            if signal.getsignal(signum) is remove_and_end:  # not replaced meanwhile
+                signal.signal(signum, signal.SIG_DFL)
+
+
+def _map_shared(store, rank: int, world_size: int, size: int, timeout_s: float,
+                path: str | None = None) -> tuple[mmap.mmap, str]:
+    """Rank 0 creates the segment at ``path`` (a fresh name of ``_segment_name``'s by default)
+    and publishes its name; every other rank opens what was published only after checking it is
+    such a segment. Returns the mapping and the path."""
     if rank == 0:
         remove_stale_segments()
-        name = _segment_name()
-        path = os.path.join(SHM_DIR, name)
+        path = path or os.path.join(SHM_DIR, _segment_name())
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             _reserve(fd, path, size, rank, world_size, store)
