@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import os
 import pickle
 import sys
@@ -31,6 +32,7 @@ VERSION = "2.10"  # the dump format torch 2.13 writes and fr_trace parses
 _SIGNAL_KEY = "fr/dump"
 _POLL_S = 0.5
 _BACKEND_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+log = logging.getLogger("smddp_lite")
 
 # torch's own profiling names (ProcessGroupNCCL's), since fr_trace matches ops by them and knows
 # no others; ours differ where torch renamed the method (all_gather_into_tensor, ...)
@@ -194,6 +196,19 @@ def write(path: str | None = None) -> str:
     return path
 
 
+def _write_or_warn() -> None:
+    """``write()`` where the failure that asks for it must not be hidden by a second one: a dump
+    that cannot be written is said, with how to fix it, and the caller goes on."""
+    try:
+        path = write()
+    except OSError as exc:
+        log.warning("smddp: the flight recorder's dump could not be written (%s); set TORCH_FR_DUMP_TEMP_FILE to a "
+                    "writable path prefix", exc)
+        return
+    log.warning("smddp: the flight recorder's dump is in %s (read every rank's with python -m "
+                "torch.distributed.flight_recorder.fr_trace <folder>)", path)
+
+
 class GroupRecorder:
     """One group's part of the record: its identity for pg_config, its sequence numbers and the
     watcher that dumps when a peer did."""
@@ -282,10 +297,7 @@ class GroupRecorder:
         """Dump this rank's record and ask the group's other ranks to dump theirs."""
         if not self.settings.dump_on_failure:
             return
-        try:
-            write()
-        except OSError:
-            pass  # nowhere to write: the failure itself still raises
+        _write_or_warn()  # the failure itself still raises
         self._dumped.set()
         try:
             if self._store is not None:
@@ -307,10 +319,7 @@ class GroupRecorder:
                 return
             if signalled and not self._dumped.is_set():
                 self._dumped.set()
-                try:
-                    write()
-                except OSError:
-                    pass
+                _write_or_warn()
                 return
 
     def close(self) -> None:
