@@ -24,9 +24,6 @@ from .signatures import REDUCE_ROOT_FACTOR, mismatch_said, paired_with_size_exch
 from .transports.base import Transport, overlap
 from .transports.refusals import explained
 
-_BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
-            RedOp.MIN: RedOp.MIN, RedOp.PRODUCT: RedOp.MIN, RedOp.BAND: RedOp.MIN, RedOp.BXOR: RedOp.BXOR}
-
 
 PIECES_MIN_BYTES = 64 << 10
 """From this size a 16-bit SUM or AVG all_reduce on a transport that cannot sum 16-bit floats in
@@ -176,7 +173,7 @@ class Collectives:
     def _wire(self, flat: torch.Tensor, op: RedOp) -> tuple[torch.Tensor, RedOp, Callable[[], None]]:
         """The tensor the transport reduces, the op it applies, and the write-back afterwards."""
         if flat.dtype is torch.bool:
-            return flat.view(torch.uint8), _BOOL_OP[op], lambda: None
+            return flat.view(torch.uint8), numerics.bool_on_bytes(op), lambda: None
         wire = self.scratch.widened("wire", flat) if self._needs_float32(flat.dtype, op) else flat
         return wire, numerics.across_ranks(op), lambda: numerics.finish_(wire, op, self.world_size, into=flat)
 
@@ -275,7 +272,7 @@ class Collectives:
         dst, unpack = _flat(output)
         step = self._agree(call, "reduce_scatter", src.dtype, dst.numel(), int(op))
         if src.dtype is torch.bool:
-            self.transport.reduce_scatter(step, dst.view(torch.uint8), src.view(torch.uint8), _BOOL_OP[op])
+            self.transport.reduce_scatter(step, dst.view(torch.uint8), src.view(torch.uint8), numerics.bool_on_bytes(op))
         elif src.dtype in self.transport.capabilities.reduce_scatters_16_bit and op in (RedOp.SUM, RedOp.AVG):
             self.transport.reduce_scatter(step, dst, src, op)  # 16 bits on the network (widened: twice the bytes)
         else:

@@ -7,6 +7,7 @@ sharded step call it, so each rule has one home (STYLE.md 8c).
 - A PREMUL_SUM is a SUM of inputs each rank first multiplies by a factor (``reduction``,
   ``premultiplied``).
 - Complex SUM and AVG are the sums of their real and imaginary parts (``complex_as_real``).
+- bool reduces as its uint8 bytes, with the op that gives bool's answer there (``bool_on_bytes``).
 - 16-bit floats are reduced in float32 (``reduce_blocks_``): every rank's values widened exactly,
   combined in rank order (the same order on every rank, so every rank gets the same bits), an
   AVG divided, and the result rounded to 16 bits once; ``add_widened_`` is its one widening step.
@@ -20,6 +21,19 @@ import torch
 import torch.distributed as dist
 
 from .ops import COMBINE, RedOp, dtype_name, from_torch
+
+# bool ------------------------------------------------------------------------------------------
+
+_BOOL_ON_BYTES = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
+                  RedOp.MIN: RedOp.MIN, RedOp.PRODUCT: RedOp.MIN, RedOp.BAND: RedOp.MIN, RedOp.BXOR: RedOp.BXOR}
+
+
+def bool_on_bytes(op: RedOp) -> RedOp:
+    """The op that gives bool's answer on bool tensors viewed as uint8 (each 0 or 1), which is how
+    every transport and NCCL carry them: any rank true (SUM, MAX, BOR) is MAX, every rank true
+    (PRODUCT, MIN, BAND) is MIN, and XOR stays XOR. (AVG is refused on bool before this.)"""
+    return _BOOL_ON_BYTES[op]
+
 
 # AVG -------------------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from . import flight_recorder, numerics, ops
 from .algorithms import Collectives
 from .call import Call
+from .cuda.route import cuda_device, gathers_unevenly, staging_reason
 from .errors import InvalidCallError, RecoverableMismatchError, SMDDPError, where
 from .p2p import PeerLinks
 from .transports import create_transport
@@ -35,8 +36,8 @@ log = logging.getLogger("smddp_lite")
 def _device_aware(op: str, fast: str | None = None):
     """Route a collective (``op``, as errors name it) on CUDA tensors: the fast path's method
     ``fast`` where the call qualifies (backend/cuda/fast_path.py), else NCCL where the group has
-    it and it can run the call, else the CPU path on host copies (backend/cuda/staged.py). CPU
-    calls pass straight through."""
+    it and its table holds the call, else the CPU path on host copies (backend/cuda/staged.py),
+    decided before the call starts (backend/cuda/route.py). CPU calls pass straight through."""
     return functools.partial(_route_by_device, op, fast)
 
 
@@ -49,49 +50,17 @@ def _route_by_device(op: str, fast: str | None, method):
             if work is not None:
                 return work
         with self._preparing(op):
-            device = _cuda_device(args)
+            device, tensors = cuda_device(args)
         if device is None:
             return method(self, *args, **kwargs)
         paths = self._cuda_paths()
-        if paths.nccl is not None:
-            from .cuda.nccl_path import NeedsStaging
-
-            numbered = self._calls
-            try:
-                return method(self, *args, **kwargs)
-            except NeedsStaging as why:  # raised before anything was enqueued: stage the same call
-                # under the same call number, as a rank that refuses the call uses one (refusals.py)
-                self._calls = numbered
-                log.debug("smddp: %s on %s goes through host memory: %s", method.__name__, device, why)
+        why = staging_reason(paths.nccl.support if paths.nccl is not None else None, op, args, kwargs, tensors)
+        if why is None:
+            return method(self, *args, **kwargs)
+        log.debug("smddp: %s on %s goes through host memory: %s", method.__name__, device, why)
         return paths.staged.run(method.__name__, functools.partial(method, self), args, kwargs, device)
 
     return route
-
-
-def _cuda_device(args: tuple) -> torch.device | None:
-    """The CUDA device of the call's tensors; None for CPU calls. Tensors on several devices are
-    refused: a collective runs on one. (Plain loops: this runs on every call, CPU ones too.)"""
-    tensors = []
-    for a in args:  # c10d passes tensors, lists of them, or lists of lists (allgather's outputs)
-        if isinstance(a, torch.Tensor):
-            tensors.append(a)
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    tensors.append(b)
-                elif isinstance(b, (list, tuple)):
-                    tensors.extend(b)
-    for t in tensors:
-        if t.is_cuda:
-            break
-    else:
-        return None
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        found = ", ".join(sorted(str(d) for d in devices))
-        raise ValueError(f"tensors are on several devices ({found}); a collective takes tensors on one "
-                         "device: move them with .to(device) first")
-    return devices.pop()
 
 
 _GLOO_SETTLE_S = 0.05
@@ -188,12 +157,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     # the one path every collective takes ---------------------------------------------------------
     def _run(self, op: str, tensors: list[torch.Tensor], outputs: list[torch.Tensor],
-             check: Callable[[], None], body: Callable[[Call], None], nccl: Callable[[Any], Any] | None = None):
+             check: Callable[[], None], body: Callable[[Call], None],
+             nccl: Callable[[Any, Call], Any] | None = None):
         """Validate on this thread, then queue ``body`` (given this call's ``Call``) on the
-        communication thread; for CUDA tensors, enqueue ``nccl(nccl_path)`` on the device instead
-        (NeedsStaging if it cannot)."""
-        self._calls += 1
-        call = self._calls
+        communication thread; for CUDA tensors (which the router sends here only where the NCCL
+        path runs the call), enqueue ``nccl(nccl_path, call)`` on the device instead."""
+        call = self.number_call()
         try:
             self._check_usable(op)
             for t in tensors:
@@ -203,13 +172,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             self._refuse(op, call, exc)
         if tensors and tensors[0].is_cuda:
             if nccl is None or self._cuda.nccl is None:
-                from .cuda.nccl_path import NeedsStaging
-
-                raise NeedsStaging(op)
+                raise AssertionError(f"{op} on CUDA tensors was routed to NCCL, which has no form of it: "
+                                     "backend/cuda/support.py's NCCL_FORMS and the call disagree")
             if self._recorder is not None:  # enqueued is started; the watchdog reports its end or failure
                 nccl = self._recorder.track(call, op, tensors, outputs, nccl, prefix="nccl", ends=False)
             with torch.no_grad():  # see run() below
-                return flight_recorder.profiled(op, tensors, outputs, lambda: nccl(self._cuda.nccl))
+                return flight_recorder.profiled(op, tensors, outputs, lambda: nccl(self._cuda.nccl, Call(call, op)))
         if self._recorder is not None:
             body = self._recorder.track(call, op, tensors, outputs, body)
 
@@ -233,6 +201,17 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 raise
 
         return flight_recorder.profiled(op, tensors, outputs, lambda: self._comm.submit(run, self._work(op, outputs)))
+
+    def number_call(self) -> int:
+        """The next call number. Every collective takes one, on every path (refused ones too):
+        ranks that make the same calls give them the same numbers, under which they find each
+        other's refusals and signatures (refusals.py)."""
+        self._calls += 1
+        return self._calls
+
+    def takes_calls(self) -> bool:
+        """Neither destroyed nor failed (a call would be refused)."""
+        return self._failure is None and not self._closed
 
     def _preparing(self, op: str) -> "_Preparing":
         """Around what a call does with its arguments before ``_run`` numbers it (reading the
@@ -330,8 +309,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
         return self._run("all_reduce", tensors, tensors, lambda: _same_ops(op, tensors, factor),
                          lambda c: self.collectives.all_reduce(c, tensors, op, premultiplied),
-                         lambda n: n.check("all_reduce", [t.dtype for t in tensors], op)
-                         or n.all_reduce([premultiplied(t) for t in tensors], op))
+                         lambda n, c: n.all_reduce(c, [premultiplied(t) for t in tensors], op))
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -342,7 +320,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             tensors = _as_list(tensors)
         root = getattr(opts, "rootRank", 0) if opts is not None else 0
         return self._run("broadcast", tensors, tensors, lambda: self._root(root),
-                         lambda c: self.collectives.broadcast(c, tensors, root), lambda n: n.broadcast(tensors, root))
+                         lambda c: self.collectives.broadcast(c, tensors, root),
+                         lambda n, c: n.broadcast(c, tensors, root))
 
     @_device_aware("reduce")
     def reduce(self, tensors, opts=None):
@@ -364,8 +343,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
         return self._run("reduce", tensors, tensors, check,
                          lambda c: self.collectives.reduce(c, tensors[0], root, op, premultiplied),
-                         lambda n: n.check("reduce", [tensors[0].dtype], op)
-                         or n.reduce(premultiplied(tensors[0]), root, op))
+                         lambda n, c: n.reduce(c, premultiplied(tensors[0]), root, op))
 
     @_device_aware("all_gather")
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -377,9 +355,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         # hold its input, and the others what those ranks send, which the uneven all_to_all that
         # carries them checks across ranks, failing on every rank where they disagree. (A rank
         # whose outputs all match its input takes the equal path; on shm its peers on the uneven
-        # one then fail with it, as ranks that call different collectives do.)
-        uneven = bool(inputs) and isinstance(inputs[0], torch.Tensor) and any(
-            isinstance(out, torch.Tensor) and out.numel() != inputs[0].numel() for out in outputs)
+        # one then fail with it, as ranks that call different collectives do.) On CUDA they go
+        # through host memory (the router asks the same question).
+        uneven = gathers_unevenly(outputs, inputs)
 
         def check() -> None:
             _one_tensor("all_gather", inputs)
@@ -399,14 +377,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             for out, block in zip(outputs, flat.chunk(self.size()) if flat.numel() else [flat] * self.size()):
                 out.copy_(block.view_as(out))
 
-        def nccl(path):
-            if uneven:
-                from .cuda.nccl_path import NeedsStaging
-
-                raise NeedsStaging("all_gather: outputs of different sizes")
-            return path.all_gather_list(outputs, inputs[0])
-
-        return self._run("all_gather", inputs + outputs, outputs, check, body, nccl)
+        return self._run("all_gather", inputs + outputs, outputs, check, body,
+                         None if uneven else lambda n, c: n.all_gather_list(c, outputs, inputs[0]))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """``output_lists[r][j]`` receives rank r's ``input_list[j]``: the lists are indexed by rank
@@ -424,7 +396,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=None):
         check = lambda: self._sized("all_gather_into_tensor", output, input, self.size())  # noqa: E731
         return self._run("all_gather_into_tensor", [output, input], [output], check,
-                         lambda c: self.collectives.all_gather(c, output, input), lambda n: n.all_gather(output, input))
+                         lambda c: self.collectives.all_gather(c, output, input),
+                         lambda n, c: n.all_gather(c, output, input))
 
     _allgather_base = all_gather_single
 
@@ -453,7 +426,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             self.collectives.reduce_scatter(c, outputs[0], torch.cat([t.reshape(-1) for t in sent()]), op)
 
         return self._run("reduce_scatter", outputs + inputs, outputs, check, body,
-                         lambda n: n.reduce_scatter_list(outputs[0], sent(), op))
+                         lambda n, c: n.reduce_scatter_list(c, outputs[0], sent(), op))
 
     @_device_aware("reduce_scatter_tensor")
     def reduce_scatter_single(self, output, input, opts=None):
@@ -470,7 +443,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
         return self._run("reduce_scatter_tensor", [output, input], [output], check,
                          lambda c: self.collectives.reduce_scatter(c, output, sent(), op),
-                         lambda n: n.reduce_scatter(output, sent(), op))
+                         lambda n, c: n.reduce_scatter(c, output, sent(), op))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -514,14 +487,15 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             def body(c: Call) -> None:
                 self.collectives.all_to_all_v(c, output, output_rows(), input, input_rows(), row)
 
-            def nccl(path):
-                return path.all_to_all_v(output, [c * row for c in output_rows()], input, [c * row for c in input_rows()])
+            def nccl(path, call: Call):
+                return path.all_to_all_v(call, output, [c * row for c in output_rows()], input,
+                                         [c * row for c in input_rows()])
         else:
             def body(c: Call) -> None:
                 self.collectives.all_to_all(c, output, input)
 
-            def nccl(path):
-                return path.all_to_all(output, input)
+            def nccl(path, call: Call):
+                return path.all_to_all(call, output, input)
         return self._run(op, [output, input], [output], check, body, nccl)
 
     all_to_all_single = alltoall_base
@@ -585,8 +559,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def barrier(self, opts=None):
         nccl = self._cuda.nccl if self._cuda is not None else None
         if nccl is not None and nccl.comms.by_device:  # ordered after this group's CUDA collectives
-            self._check_usable("barrier")
-            return nccl.barrier()
+            call = self.number_call()
+            try:
+                self._check_usable("barrier")
+            except RuntimeError as exc:
+                self._refuse("barrier", call, exc)
+            return nccl.barrier(Call(call, "barrier"))
         return self._run("barrier", [], [], lambda: None, self.collectives.barrier)
 
     def recv_anysource(self, *args, **kwargs):
@@ -625,10 +603,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                                  "receive into a tensor of its own (torch.empty(shape)) and expand that")
         except (TypeError, ValueError, RuntimeError) as exc:
             raise _refusal_type(exc)(f"{where(rank, size, kind)} {exc}") from None
-        if tensors[0].is_cuda:  # through host memory (the route stages the call)
-            from .cuda.nccl_path import NeedsStaging
-
-            raise NeedsStaging(kind)
+        if tensors[0].is_cuda:
+            raise AssertionError(f"{kind} of a CUDA tensor reached the CPU path: the router stages it "
+                                 "(backend/cuda/support.py has no NCCL form of it)")
         describe = f"{where(rank, size, kind)} {'to' if kind == 'send' else 'from'} rank {peer} (tag {tag})"
         if self._recorder is not None:
             self._recorder.record_p2p(kind, rank, peer, tensors[0])
@@ -712,8 +689,7 @@ class _Preparing:
 
     def __exit__(self, kind, exc, traceback) -> bool:
         if kind is not None and issubclass(kind, (TypeError, ValueError)):
-            self.group._calls += 1
-            self.group._refuse(self.op, self.group._calls, exc)
+            self.group._refuse(self.op, self.group.number_call(), exc)
         return False
 
 

@@ -168,31 +168,24 @@ class FastCalls:
         self._future_streams: dict[int, torch.cuda.Stream] = {}
         global _event_record, _stream_wait_event
         _event_record, _stream_wait_event = runtime.eventRecord, runtime.streamWaitEvent
-        self._reduce = self._reduce_codes(nccl_path)
+        self._support = nccl_path.support
+        self._reduce = self._reduce_codes(nccl_path.support)
         self._move: dict[torch.dtype, tuple[int, int]] = {}  # dtype -> (NCCL dtype, how many make one)
 
     @staticmethod
-    def _reduce_codes(path) -> dict[tuple[torch.dtype, int], tuple[int, int]]:
+    def _reduce_codes(support) -> dict[tuple[torch.dtype, int], tuple[int, int]]:
         """(dtype, torch's RedOpType's value) -> (NCCL dtype, NCCL op), for what NCCL runs as it
-        is. Keyed by the enum's integer: hashing the pybind enum itself cost about 1.5 us a call."""
-        from .nccl_path import NeedsStaging
-
-        codes = {}
-        for torch_op, red in _FROM_TORCH.items():
-            for dtype in list(path._dtype) + [torch.bool]:
-                try:
-                    dt, op, divide = path._code("all_reduce", dtype, red)
-                except NeedsStaging:
-                    continue
-                if not divide:
-                    codes[(dtype, torch_op.value)] = (dt, op)
-        return codes
+        is (support.py's table without the AVGs it divides afterwards). Keyed by the enum's
+        integer: hashing the pybind enum itself cost about 1.5 us a call."""
+        by_torch_value = {red: torch_op.value for torch_op, red in _FROM_TORCH.items()}
+        return {(dtype, by_torch_value[red]): (code.dtype, code.op)
+                for (dtype, red), code in support.reduce_codes().items() if not code.divide}
 
     def _moved(self, dtype: torch.dtype) -> tuple[int, int]:
         """How an op that only moves data carries ``dtype``: its NCCL type, else its bytes."""
         code = self._move.get(dtype)
         if code is None:
-            code = self._move[dtype] = self._path._moved("broadcast", dtype)
+            code = self._move[dtype] = self._support.move_code(dtype)
         return code
 
     def add_lane(self, device: torch.device, comm, stream) -> None:
@@ -260,7 +253,7 @@ class FastCalls:
         if not isinstance(t, torch.Tensor) or not t.is_cuda or t.is_quantized:  # quantized: refused there
             return None
         lane = self._lanes.get(t.get_device())
-        if (lane is None or group._failure is not None or group._closed or t.layout is not torch.strided
+        if (lane is None or not group.takes_calls() or t.layout is not torch.strided
                 or not t.is_contiguous() or t.is_conj() or t.is_neg()):
             return None
         if lane.index != _current_device() or _capturing():  # a capture: see nccl_path's capture rules
@@ -270,10 +263,10 @@ class FastCalls:
     def _issue(self, group, lane: Lane, op: str, async_op: bool, touched: list[torch.Tensor],
                outputs: list[torch.Tensor], enqueue) -> FastWork:
         path = self._path
-        group._calls += 1  # the call number every call takes (refusals pair ranks' calls by it)
+        group.number_call()  # every call takes one (refusals pair ranks' calls by it)
         work = FastWork(self, op, lane, outputs, not async_op, touched if async_op else None)
         end = work.end = lane.events.take()
-        with path._launching:  # the watchdog's list stays in launch order (see NcclPath._launch)
+        with path.launching:  # the watchdog's list stays in launch order (see NcclPath._launch)
             try:
                 if async_op:
                     caller = _raw_stream(lane.index)

@@ -3,16 +3,14 @@
 Every call is enqueued on this group's own stream for the tensors' device, after that stream
 waits for the caller's current stream (so whatever the caller's kernels wrote is what is sent),
 and the host returns at once with a ``CudaWork`` (see work.py). Lists of tensors go through one
-NCCL group call. What NCCL cannot do itself raises ``NeedsStaging`` before anything is enqueued,
-and the process group sends that call through host memory instead (staged.py): bitwise ops on
-integers (NCCL has none) and XOR on bool. Ops that only move data (broadcast, all_gather,
-all_to_all) carry a dtype NCCL has no type for (float8, int16, complex, ...) as its bytes, so
-FSDP2's float8 all_gather stays on the GPU.
+NCCL group call. Calls reach it only where its table (support.py) says NCCL runs them: the
+router (route.py) sends the others through host memory (staged.py) before they start. Ops that
+only move data (broadcast, all_gather, all_to_all) carry a dtype NCCL has no type for (float8,
+int16, complex, ...) as its bytes, so FSDP2's float8 all_gather stays on the GPU.
 
 Numerics are NCCL's, as with torch's "nccl" backend: 16-bit floats are reduced in their own
 dtype hop by hop, AVG is NCCL's native average (NCCL >= 2.10; older: SUM, then one division on
-the communication stream, ``numerics.averaged_``), bool reduces as uint8 (SUM/MAX/BOR = any,
-PRODUCT/MIN/BAND = all).
+the communication stream, ``numerics.averaged_``), bool reduces as uint8 (numerics.bool_on_bytes).
 """
 
 from __future__ import annotations
@@ -26,25 +24,20 @@ from typing import Callable, NoReturn
 import torch
 
 from .. import numerics
+from ..call import Call
 from ..errors import SMDDPError, where
-from ..ops import BITWISE_OPS, RedOp
+from ..ops import RedOp
 from ..transports.base import block_offsets, overlap
-from .communicators import (NCCL_AVG_VERSION, NCCL_BF16_VERSION, NCCL_DTYPE_NAMES, NCCL_OP_NAMES, Communicators,
-                            nccl_version_string)
+from .communicators import Communicators, nccl_version_string
 from .environment import efa_devices, find_net_plugin, network_report
 from .fast_path import FastCalls
+from .support import NcclSupport
 from .watchdog import Watchdog
 from .work import CommStream, CudaWork, capturing
 
 log = logging.getLogger("smddp_lite")
 
-_BOOL_OP = {RedOp.SUM: RedOp.MAX, RedOp.MAX: RedOp.MAX, RedOp.BOR: RedOp.MAX,
-            RedOp.PRODUCT: RedOp.MIN, RedOp.MIN: RedOp.MIN, RedOp.BAND: RedOp.MIN}
 _reported = False  # the network report is logged once per process
-
-
-class NeedsStaging(Exception):
-    """NCCL cannot run this call as asked; the process group stages it through host memory."""
 
 
 class NcclPath:
@@ -58,22 +51,22 @@ class NcclPath:
         self.rank, self.world_size = rank, world_size
         self.timeout, self.blocking, self.debug = timeout, blocking, debug
         self.comms = Communicators(nccl, store, rank, world_size)
-        self.avg_native = self.comms.version >= NCCL_AVG_VERSION
+        self.support = NcclSupport.of(nccl, self.comms.version, world_size)  # what the router sends here
         self.streams: dict[int, CommStream] = {}
-        self._launching = threading.Lock()
+        # one call at a time from enqueue to tracking (the fast path's calls too), so that the
+        # watchdog's list is in stream order even when several threads call (it lets a newer call
+        # that ended vouch for older ones)
+        self.launching = threading.Lock()
         self.last_device: torch.device | None = None
         self.watchdog = Watchdog(f"r{rank}", self.comms.check_async_errors, self.comms.abort, on_failure)
-        self._dtype = {dt: getattr(nccl, name) for dt, name in NCCL_DTYPE_NAMES.items() if hasattr(nccl, name)
-                       and (dt is not torch.bfloat16 or self.comms.version >= NCCL_BF16_VERSION)}  # else: staged
-        self._op = {op: getattr(nccl, name) for op, name in NCCL_OP_NAMES.items() if hasattr(nccl, name)}
         # blocking waits block the host in wait(), which the fast path's Work never does
         self.fast = None if blocking else FastCalls(self, _cuda_runtime())
 
     # the one path every call takes -------------------------------------------------------------
-    def _launch(self, op: str, device: torch.device, touched: list[torch.Tensor], outputs: list[torch.Tensor],
+    def _launch(self, call: Call, device: torch.device, touched: list[torch.Tensor], outputs: list[torch.Tensor],
                 enqueue: Callable[[object, int], None]) -> CudaWork:
         """Enqueue ``enqueue(comm, stream_handle)`` on the group's stream for ``device``."""
-        describe = where(self.rank, self.world_size, op)
+        describe = where(self.rank, self.world_size, call.op)
         in_capture = capturing(device)
         if in_capture and (device.index not in self.comms.by_device or device.index not in self.streams):
             raise SMDDPError(f"{describe} the first collective on {device} is being captured into a CUDA graph, "
@@ -86,9 +79,7 @@ class NcclPath:
             stream = self.streams[device.index] = CommStream(device)
         work = CudaWork(describe, device, outputs, self.timeout, self.blocking, captured=in_capture,
                         host_side=False)
-        # one call at a time from enqueue to tracking, so that the watchdog's list is in stream
-        # order even when several threads call (it lets a newer call that ended vouch for older ones)
-        with self._launching:
+        with self.launching:
             try:
                 stream.run(touched, lambda: enqueue(comm, stream.cuda_stream))
             except Exception as exc:  # NcclError: NCCL's own text, e.g. "NCCL_ERROR_INVALID_ARGUMENT: ..."
@@ -108,47 +99,9 @@ class NcclPath:
         self.watchdog.fail_all(reason)
         raise SMDDPError(reason) from exc
 
-    def check(self, op: str, dtypes: list[torch.dtype], red: RedOp | None = None) -> None:
-        """Raise NeedsStaging if NCCL cannot run ``op`` on ``dtypes`` with ``red``: for calls that
-        change their tensors before the collective (a PREMUL_SUM's scaling), which must not
-        happen twice when the call is then staged."""
-        for dtype in dtypes:
-            self._code(op, dtype, red)
-
-    def _moved(self, op: str, dtype: torch.dtype) -> tuple[int, int]:
-        """(NCCL dtype, how many of it make one element of ``dtype``) for an op that only moves
-        data: ``dtype``'s own NCCL type, else its bytes as NCCL's uint8. Staging such a call
-        copied it to the host and back, and ran the host transport between (float8 parameters'
-        all_gather under FSDP2, int16 and bfloat16 before NCCL 2.10)."""
-        try:
-            return self._code(op, dtype)[0], 1
-        except NeedsStaging:
-            return self._dtype[torch.uint8], dtype.itemsize
-
-    def _code(self, op: str, dtype: torch.dtype, red: RedOp | None = None) -> tuple[int, int | None, bool]:
-        """(NCCL dtype, NCCL op, divide by world size afterwards) for ``dtype`` and ``red``."""
-        if dtype == torch.bool:
-            if red is not None and red not in _BOOL_OP:
-                raise NeedsStaging(f"{op}: {red.name} on bool")
-            dtype, red = torch.uint8, (_BOOL_OP[red] if red is not None else None)
-        if dtype not in self._dtype:
-            raise NeedsStaging(f"{op}: dtype {dtype} has no NCCL type in this cupy/NCCL")
-        if red is None:
-            return self._dtype[dtype], None, False
-        if red in BITWISE_OPS:
-            raise NeedsStaging(f"{op}: {red.name}: NCCL has no bitwise reductions")
-        if red is RedOp.AVG and self.world_size == 1:
-            # the average of one rank is its value, and SUM gives it exactly. NCCL's one-rank AVG
-            # kernel leaves the last (n mod its block count) elements unwritten before NCCL 2.29.7
-            # (NVIDIA/nccl#1950): the conformance suite caught it on an H100 with NCCL 2.28.9
-            red = RedOp.SUM
-        if red is RedOp.AVG and not (self.avg_native and RedOp.AVG in self._op):
-            return self._dtype[dtype], self._op[numerics.across_ranks(red)], True  # integers truncated, as ncclAvg
-        return self._dtype[dtype], self._op[red], False
-
     # collectives -------------------------------------------------------------------------------
-    def all_reduce(self, tensors: list[torch.Tensor], red: RedOp) -> CudaWork:
-        codes = [self._code("all_reduce", t.dtype, red) for t in tensors]
+    def all_reduce(self, call: Call, tensors: list[torch.Tensor], red: RedOp) -> CudaWork:
+        codes = [self.support.reduce_code(t.dtype, red) for t in tensors]
         flats = [_Flat(t) for t in tensors]
 
         def enqueue(comm, stream: int) -> None:
@@ -160,10 +113,10 @@ class NcclPath:
                     numerics.averaged_(f.flat, self.world_size)
                 f.write_back()
 
-        return self._launch("all_reduce", tensors[0].device, _touched(*flats), tensors, enqueue)
+        return self._launch(call, tensors[0].device, _touched(*flats), tensors, enqueue)
 
-    def broadcast(self, tensors: list[torch.Tensor], root: int) -> CudaWork:
-        codes = [self._moved("broadcast", t.dtype) for t in tensors]
+    def broadcast(self, call: Call, tensors: list[torch.Tensor], root: int) -> CudaWork:
+        codes = [self.support.move_code(t.dtype) for t in tensors]
         flats = [_Flat(t) for t in tensors]
 
         def enqueue(comm, stream: int) -> None:
@@ -173,10 +126,10 @@ class NcclPath:
             for f in flats:
                 f.write_back()
 
-        return self._launch("broadcast", tensors[0].device, _touched(*flats), tensors, enqueue)
+        return self._launch(call, tensors[0].device, _touched(*flats), tensors, enqueue)
 
-    def reduce(self, tensor: torch.Tensor, root: int, red: RedOp) -> CudaWork:
-        dt, nop, divide = self._code("reduce", tensor.dtype, red)
+    def reduce(self, call: Call, tensor: torch.Tensor, root: int, red: RedOp) -> CudaWork:
+        dt, nop, divide = self.support.reduce_code(tensor.dtype, red)
         f = _Flat(tensor)
 
         def enqueue(comm, stream: int) -> None:
@@ -186,21 +139,21 @@ class NcclPath:
                     numerics.averaged_(f.flat, self.world_size)
                 f.write_back()
 
-        return self._launch("reduce", tensor.device, _touched(f), [tensor], enqueue)
+        return self._launch(call, tensor.device, _touched(f), [tensor], enqueue)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> CudaWork:
+    def all_gather(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> CudaWork:
         """``output`` (world_size * n elements, contiguous) receives every rank's ``input``."""
-        dt, per = self._moved("all_gather", input.dtype)
+        dt, per = self.support.move_code(input.dtype)
         src, dst = _Flat(input), _Flat(output)
 
         def enqueue(comm, stream: int) -> None:
             comm.allGather(src.ptr, dst.ptr, src.numel * per, dt, stream)
             dst.write_back()
 
-        return self._launch("all_gather", input.device, _touched(src, dst), [output], enqueue)
+        return self._launch(call, input.device, _touched(src, dst), [output], enqueue)
 
-    def all_gather_list(self, outputs: list[torch.Tensor], input: torch.Tensor) -> CudaWork:
-        dt, per = self._moved("all_gather", input.dtype)
+    def all_gather_list(self, call: Call, outputs: list[torch.Tensor], input: torch.Tensor) -> CudaWork:
+        dt, per = self.support.move_code(input.dtype)
         src = _Flat(input)
         n = src.numel
 
@@ -210,11 +163,11 @@ class NcclPath:
             for out, block in zip(outputs, flat.split(n) if n else [flat] * self.world_size):
                 out.copy_(block.view_as(out))
 
-        return self._launch("all_gather", input.device, _touched(src) + outputs, outputs, enqueue)
+        return self._launch(call, input.device, _touched(src) + outputs, outputs, enqueue)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, red: RedOp) -> CudaWork:
+    def reduce_scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor, red: RedOp) -> CudaWork:
         """``output`` (n) receives the reduction of block ``rank`` of every rank's ``input``."""
-        dt, nop, divide = self._code("reduce_scatter", input.dtype, red)
+        dt, nop, divide = self.support.reduce_code(input.dtype, red)
         src, dst = _Flat(input), _Flat(output)
 
         def enqueue(comm, stream: int) -> None:
@@ -223,10 +176,10 @@ class NcclPath:
                 numerics.averaged_(dst.flat, self.world_size)
             dst.write_back()
 
-        return self._launch("reduce_scatter", input.device, _touched(src, dst), [output], enqueue)
+        return self._launch(call, input.device, _touched(src, dst), [output], enqueue)
 
-    def reduce_scatter_list(self, output: torch.Tensor, inputs: list[torch.Tensor], red: RedOp) -> CudaWork:
-        dt, nop, divide = self._code("reduce_scatter", output.dtype, red)
+    def reduce_scatter_list(self, call: Call, output: torch.Tensor, inputs: list[torch.Tensor], red: RedOp) -> CudaWork:
+        dt, nop, divide = self.support.reduce_code(output.dtype, red)
         dst = _Flat(output)
 
         def enqueue(comm, stream: int) -> None:
@@ -236,21 +189,21 @@ class NcclPath:
                 numerics.averaged_(dst.flat, self.world_size)
             dst.write_back()
 
-        return self._launch("reduce_scatter", output.device, _touched(dst) + inputs, [output], enqueue)
+        return self._launch(call, output.device, _touched(dst) + inputs, [output], enqueue)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> CudaWork:
+    def all_to_all(self, call: Call, output: torch.Tensor, input: torch.Tensor) -> CudaWork:
         """Block ``q`` of ``input`` (equal blocks) goes to rank ``q``'s block ``rank``: the uneven
         form's sends and receives, so an in-place call goes from a copy as that one does."""
         n = input.numel() // self.world_size
-        return self.all_to_all_v(output, [n] * self.world_size, input, [n] * self.world_size)
+        return self.all_to_all_v(call, output, [n] * self.world_size, input, [n] * self.world_size)
 
-    def all_to_all_v(self, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
+    def all_to_all_v(self, call: Call, output: torch.Tensor, output_splits: list[int], input: torch.Tensor,
                      input_splits: list[int]) -> CudaWork:
         """Blocks of any size: block ``q`` of ``input`` (``input_splits[q]`` elements) goes to
         rank ``q``; block ``q`` of ``output`` (``output_splits[q]``) comes from it. all_to_all
         runs here too, so a rank whose blocks are equal pairs with one whose blocks are not. Split sizes are not compared across ranks (torch's nccl does
         not either): ranks that disagree wait for the watchdog's timeout."""
-        dt, per = self._moved("all_to_all", input.dtype)
+        dt, per = self.support.move_code(input.dtype)
         if input.numel() and output.numel() and overlap(input.reshape(-1), output.reshape(-1)):
             input = input.clone()  # received blocks would land on input not yet sent
         src, dst = _Flat(input), _Flat(output)
@@ -266,9 +219,9 @@ class NcclPath:
                         comm.recv(dst.ptr + receive_at[q] * size, output_splits[q] * per, dt, q, stream)
             dst.write_back()
 
-        return self._launch("all_to_all", input.device, _touched(src, dst), [output], enqueue)
+        return self._launch(call, input.device, _touched(src, dst), [output], enqueue)
 
-    def barrier(self) -> CudaWork:
+    def barrier(self, call: Call) -> CudaWork:
         """A one-element all_reduce on the device this group last used, which the host then
         waits for (as ProcessGroupNCCL's barrier does): earlier collectives have ended too."""
         device = self.last_device or torch.device("cuda", torch.cuda.current_device())
@@ -276,7 +229,7 @@ class NcclPath:
             raise SMDDPError(f"{where(self.rank, self.world_size, 'barrier')} is being captured into a CUDA "
                              "graph, but a barrier blocks the host, which a graph cannot do; call it outside "
                              "the capture")
-        work = self.all_reduce([torch.zeros(1, device=device)], RedOp.SUM)
+        work = self.all_reduce(call, [torch.zeros(1, device=device)], RedOp.SUM)
         work.block_host(work.timeout_s)
         return work
 
