@@ -68,13 +68,30 @@ Every other run (several ranks per host and several hosts) is predicted and its 
 The fitted form is then evaluated with NVLink- and EFA-class constants for 8 to 512 GPUs (8 per
 host), where a 16-bit wire halves the bytes between hosts and an 8-bit one sends 0.254 of them.
 
-The 8-bit class is the weakest: on 2 hosts x 1 rank its fitted bandwidth comes out above what the
-link allows for its bytes, so the quantizer's CPU time lands in the class's latency, which the
-model does not scale for ranks sharing cores; with two ranks per host on 2 cores it predicts
-about 40% too little (benchmarks/results/2026-11-28-cost_model-8-bit-wire.md).
+An 8-bit wire's quantizer is a term of its own, q seconds per float32 byte and pass on one core,
+measured alone (``--measure-quantizer``: the library's CPU quantizer, one thread, no network).
+Each rank of an N-host exchange passes over its share of a piece (b/L bytes of a piece of b)
+3 + 1/N times: it quantizes its share, adds the N slices it receives (one share in all),
+quantizes its slice's sum (1/N of a share) and adds the gathered sums. That is CPU work once
+per piece, not per step, and it stretches by max(1, p/C) when ranks share cores:
+
+    q(b) = max(1, p/C) * (3 + 1/N) * b/L * q                 added to x(b) of an 8-bit wire
+
+An 8-bit exchange also makes a fixed number of calls per piece whatever N is (an all-to-all and
+an all-gather of values, the same of scales, the quantizer's launches): CPU time once per piece,
+c8, also stretched by max(1, p/C). Its steps keep the float32 link's network latency. So the 8-bit
+class is fitted on 2 x 1 int8 with q(b) taken out of each measurement, and what its fit puts in
+latency beyond the float32 link's becomes c8:
+
+    x8(b) = 2(N-1) * max(alpha_net + b/(N L) * beta_8, b/N * beta_8) + max(1, p/C) * c8 + q(b)
+ Without the term (until 2026-11-29) the quantizer's time landed in the
+class's latency, which is not scaled for ranks sharing cores, and 2 x 2 int8 came out about 40%
+too fast (benchmarks/results/2026-11-28-cost_model-8-bit-wire.md).
 
     python -m benchmarks.scaling --collectives --repeat 3 --out benchmarks/results/DATE-collectives-1gbit
-    python benchmarks/cost_model.py benchmarks/results/DATE-collectives-1gbit.json --piece-bytes 4194304
+    python benchmarks/cost_model.py --measure-quantizer      # prints q; measure it with the sweep's code
+    python benchmarks/cost_model.py benchmarks/results/DATE-collectives-1gbit.json --piece-bytes 4194304 \
+        --quantizer-s-per-byte Q
     python benchmarks/cost_model.py SWEEP.json REPLICATE.json     # the rounds of both sweeps pooled
 """
 
@@ -84,6 +101,7 @@ import argparse
 import json
 import math
 import statistics
+import time
 from collections import defaultdict
 
 import torch
@@ -122,14 +140,53 @@ def network_share(wire: str) -> float:
     return 0.5
 
 
+def quantizer_passes(hosts: int) -> float:
+    """Passes of the quantizer over a rank's share of a piece in an exchange between ``hosts``
+    hosts: its share quantized, the received slices added, its slice's sum quantized (1/N of a
+    share), the gathered sums added."""
+    return 3 + 1 / hosts
+
+
+def quantizing(hosts: int, per_host: int, nbytes: float, quantizer: float, cores: int | None) -> float:
+    """The CPU time of an 8-bit wire's quantizer on a piece of ``nbytes`` float32 bytes: each of a
+    host's ``per_host`` ranks passes over its share, stretched where ranks outnumber cores."""
+    f = max(1.0, hosts * per_host / cores) if cores else 1.0
+    return f * quantizer_passes(hosts) * nbytes / per_host * quantizer
+
+
+def measure_quantizer(numel: int = 1 << 20, rounds: int = 30, block: int = WIRE_BLOCK) -> float:
+    """q: seconds per float32 byte and pass of the library's CPU quantizer, on one thread (each
+    simulated rank is one process with its share of the cores): the mean of a quantize and a
+    dequantize_add of ``numel`` values, the fastest of ``rounds`` (contention only adds)."""
+    from smddp_lite.kernels.quantize import dequantize_add, quantize
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(numel)
+        acc = torch.zeros(numel)
+        best = math.inf
+        for _ in range(rounds):
+            start = time.perf_counter()
+            values, scales = quantize(x, torch.int8, block)
+            dequantize_add(acc, values, scales, block)
+            best = min(best, (time.perf_counter() - start) / 2)
+    finally:
+        torch.set_num_threads(threads)
+    return best / (numel * 4)
+
+
 def predict(hosts: int, per_host: int, algorithm: str, nbytes: float, links: dict, wire: str = "float32",
-            piece: float | None = None, cores: int | None = None, step_cpu: float = 0.0) -> float:
+            piece: float | None = None, cores: int | None = None, step_cpu: float = 0.0,
+            quantizer: float = 0.0, piece_cpu: float = 0.0) -> float:
     """Modelled time of one all_reduce of ``nbytes`` (float32) bytes. ``links`` maps class names
     to (alpha, beta); a 16- or 8-bit wire without its own class in ``links`` takes the "inter"
     class with its share of the bytes (the extrapolation). ``piece`` is the pipelining size (None: one piece);
     ``cores`` the cores all ranks share (None: one core per rank, no contention); ``step_cpu``
     the CPU time one rank spends on one step between hosts, which p ranks on ``cores`` cores
-    cannot fit into less than max(1, p/cores) x step_cpu."""
+    cannot fit into less than max(1, p/cores) x step_cpu; ``quantizer`` an 8-bit wire's q (s per
+    float32 byte and pass, see ``quantizing``) and ``piece_cpu`` its fixed CPU time per piece
+    (c8; when given, the 8-bit class's steps take the float32 link's latency)."""
     f = max(1.0, hosts * per_host / cores) if cores else 1.0
     a_in, b_in = links["intra"]
     a_in, b_in = a_in * f, b_in * f
@@ -140,6 +197,8 @@ def predict(hosts: int, per_host: int, algorithm: str, nbytes: float, links: dic
         a_x, b_x = a_net, b_net
     elif name in links:
         a_x, b_x = links[name]
+        if name == INTER_8 and piece_cpu:
+            a_x = a_net  # its latency beyond the network's is the per-piece CPU time
         cpu = max(0.0, b_x - b_net * share)  # what the class costs beyond its share of the float32 bytes
         b_x = b_net * share + cpu * f
     else:
@@ -157,8 +216,11 @@ def predict(hosts: int, per_host: int, algorithm: str, nbytes: float, links: dic
         # over its one link, so while one group pays its latency the others keep the link busy
         return max(a_x + b / (hosts * per_host) * b_x, b / hosts * b_x)
 
+    eight_bit = wire in EIGHT_BIT_WIRES
+
     def across(b: float) -> float:
-        return 2 * (hosts - 1) * max(link_step(b), f * step_cpu)
+        quantized = quantizing(hosts, per_host, b, quantizer, cores) + f * piece_cpu if eight_bit else 0.0
+        return 2 * (hosts - 1) * max(link_step(b), f * step_cpu) + quantized
 
     def skew(b: float) -> float:  # the host's other groups, when they queue for cores, end later
         if f <= 1 or step_cpu <= 0:
@@ -175,15 +237,16 @@ def predict(hosts: int, per_host: int, algorithm: str, nbytes: float, links: dic
         skew(last) + inside(w * last)
 
 
-def fit_link(rows: list[dict], parties: int, piece: float | None) -> tuple[float, float]:
+def fit_link(rows: list[dict], parties: int, piece: float | None, besides=None) -> tuple[float, float]:
     """alpha, beta of one class from runs where it alone is at work: rings (or pipelined
     pieces of them) over ``parties`` participants, T = 2(n-1) * (k alpha + S/n beta) for a
-    message of S bytes in k pieces."""
+    message of S bytes in k pieces, after ``besides(row)`` (the time of what else the run did,
+    measured apart: an 8-bit wire's quantizer) is taken out of each T."""
     n = parties
     k = [1 if piece is None else max(1, math.ceil(r["bytes"] / piece)) for r in rows]
     x = torch.tensor([[2.0 * (n - 1) * ki, 2.0 * (n - 1) / n * r["bytes"]] for r, ki in zip(rows, k)],
                      dtype=torch.float64)
-    y = torch.tensor([r["time_s"] for r in rows], dtype=torch.float64)
+    y = torch.tensor([r["time_s"] - (besides(r) if besides else 0.0) for r in rows], dtype=torch.float64)
     w = 1 / y.unsqueeze(1)  # relative errors: every size counts alike, not the largest alone
     alpha, beta = torch.linalg.lstsq(x * w, (y * w.squeeze(1)).unsqueeze(1)).solution.squeeze(1).tolist()
     return max(alpha, 0.0), beta
@@ -212,19 +275,22 @@ def load_sweeps(paths: list[str]) -> dict:
     return {**sweeps[0], "rows": rows, "sweeps": len(sweeps)}
 
 
-def fit_step_cpu(rows: list[dict], links: dict, piece: float, cores: int) -> float:
+def fit_step_cpu(rows: list[dict], links: dict, piece: float, cores: int, quantizer: float = 0.0,
+                 piece_cpu: float = 0.0) -> float:
     """The CPU time per rank and inter-host step that best explains ``rows`` (runs with more
     ranks than cores, every size: where steps are small, the CPU, not the link, sets their pace),
     by least squares on the relative error over a 10 us grid up to 5 ms."""
     def loss(c: float) -> float:
         return sum(((predict(r["hosts"], r["per_host"], r["algorithm"], r["bytes"], links, r["wire"], piece=piece,
-                             cores=cores, step_cpu=c) - r["time_s"]) / r["time_s"]) ** 2 for r in rows)
+                             cores=cores, step_cpu=c, quantizer=quantizer, piece_cpu=piece_cpu)
+                     - r["time_s"]) / r["time_s"]) ** 2
+                   for r in rows)
     return min((i * 10e-6 for i in range(501)), key=loss) if rows else 0.0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("measurements", nargs="+",
+    parser.add_argument("measurements", nargs="*",
                         help="JSON from python -m benchmarks.scaling --collectives; several files (sweeps of "
                              "the same lab) pool their rounds, each size's median taken over all of them")
     parser.add_argument("--out", help="write the report (markdown) here as well")
@@ -232,7 +298,19 @@ def main() -> None:
                         help="SMDDP_HIERARCHICAL_CHUNK_BYTES of the measured runs")
     parser.add_argument("--compute-s", type=float, default=0.40, help="compute time per step per GPU (assumed)")
     parser.add_argument("--grad-bytes", type=float, default=340e6 * 2, help="gradient bytes per step (BERT-large, fp16)")
+    parser.add_argument("--quantizer-s-per-byte", type=float, default=0.0,
+                        help="an 8-bit wire's quantizer CPU time per float32 byte and pass on one core, as "
+                             "--measure-quantizer prints it for the code that ran the sweep (0: no quantizer "
+                             "term, its time left in the 8-bit class)")
+    parser.add_argument("--measure-quantizer", action="store_true",
+                        help="measure the installed library's CPU quantizer alone and print its s per byte")
     args = parser.parse_args()
+    if args.measure_quantizer:
+        print(f"{measure_quantizer():.4g}")
+        return
+    if not args.measurements:
+        parser.error("give the sweep's JSON (or --measure-quantizer)")
+    quantizer = args.quantizer_s_per_byte
     data = load_sweeps(args.measurements)
     by = defaultdict(list)
     for r in median_rows(data["rows"]):
@@ -244,8 +322,15 @@ def main() -> None:
     # fitted on the sizes it is judged on: below 1 MiB, Python overheads and TCP behind a token
     # bucket (a 64 KiB all_reduce between two hosts takes 2-6 ms) are no alpha-beta process
     fit_rows = {key: [r for r in by[key] if r["bytes"] >= MIN_BYTES] for key in fitted_on.values()}
-    links = {name: fit_link(fit_rows[key], max(key[0], key[1]), None if key[2] == "flat" else args.piece_bytes)
-             for name, key in fitted_on.items() if fit_rows[key]}
+
+    def quantizer_time(r: dict) -> float:  # an 8-bit fit run's quantizer, measured apart
+        if r["wire"] not in EIGHT_BIT_WIRES or not quantizer:
+            return 0.0
+        k = max(1, math.ceil(r["bytes"] / args.piece_bytes))
+        return k * quantizing(r["hosts"], r["per_host"], r["bytes"] / k, quantizer, cores)
+
+    links = {name: fit_link(fit_rows[key], max(key[0], key[1]), None if key[2] == "flat" else args.piece_bytes,
+                            quantizer_time) for name, key in fitted_on.items() if fit_rows[key]}
     for name, (h, p, _, _) in fitted_on.items():  # a class fitted on more ranks than cores: undo that
         factor = max(1.0, h * p / cores)
         if name in links and factor > 1:
@@ -261,7 +346,14 @@ def main() -> None:
         raise SystemExit(f"{' + '.join(args.measurements)} has no {' or '.join(missing)} run, which the CPU "
                          "time per step is fitted on (files before 2026-11-23's last sweep lack 8 x 1 flat); measure every "
                          "configuration with python -m benchmarks.scaling --collectives")
-    step_cpu = {alg: fit_step_cpu(by[key], links, args.piece_bytes, cores) for alg, key in CPU_FITTED_ON.items()}
+    # with the quantizer measured apart, the 8-bit class's latency beyond the network's is the
+    # exchange's fixed CPU per piece (its fit run has a core per rank: nothing to undo)
+    piece_cpu = 0.0
+    if quantizer and INTER_8 in links:
+        hosts8 = fitted_on[INTER_8][0]
+        piece_cpu = max(0.0, 2 * (hosts8 - 1) * (links[INTER_8][0] - links["inter"][0]))
+    step_cpu = {alg: fit_step_cpu(by[key], links, args.piece_bytes, cores, quantizer, piece_cpu)
+                for alg, key in CPU_FITTED_ON.items()}
     judged_out = set(fitted_on.values()) | set(CPU_FITTED_ON.values())
     link = data["rate"] + (f", tbf burst {data['burst']}" if "burst" in data else "")
     out = [f"# all_reduce cost model, fitted on {link} simulated links", "",
@@ -273,6 +365,10 @@ def main() -> None:
     for alg, (h, p, a, w) in CPU_FITTED_ON.items():
         what = "one flat ring over all ranks" if alg == "flat" else "the hierarchical inter-host groups"
         out.append(f"| {what} | {h} x {p} {a} {w} | {step_cpu[alg] * 1e6:.0f} |")
+    if quantizer:
+        out += ["", f"An 8-bit wire's quantizer, measured alone: {quantizer * 1e12:.0f} us per MB (float32) and pass "
+                "on one core, taken out of the 8-bit class's fit run and added to every 8-bit prediction; the "
+                f"exchange's fixed CPU per piece, fitted: {piece_cpu * 1e6:.0f} us (both stretched by max(1, p/{cores}))."]
     out += ["", f"A step of p ranks on {cores} cores lasts at least max(1, p/{cores}) times its algorithm's CPU time.",
             "",
             f"Link classes fitted on {fitted}, messages of 1 MiB and more; {cores} cores shared by every rank; each "
@@ -288,7 +384,7 @@ def main() -> None:
             continue
         for r in rs:
             pred = predict(h, p, alg, r["bytes"], links, wire, piece=args.piece_bytes, cores=cores,
-                           step_cpu=step_cpu[alg])
+                           step_cpu=step_cpu[alg], quantizer=quantizer, piece_cpu=piece_cpu)
             err = (pred - r["time_s"]) / r["time_s"]
             if r["bytes"] < MIN_BYTES:
                 small.append(err)

@@ -92,6 +92,43 @@ def test_an_8_bit_wire_sends_a_quarter_and_its_scales_and_gathers_float32_in_the
     assert cm.predict(2, 2, "hierarchical", size, free, "int8") == pytest.approx(half + half)
 
 
+def test_an_8_bit_wires_quantizer_and_fixed_cpu_are_once_per_piece_and_stretch_where_ranks_share_cores():
+    share = 0.25 + 1 / 256
+    size, q, c8 = 8 * MIB, 1e-10, 5e-3
+    links = {**LINKS, cm.INTER_8: (2e-3, share / 0.12e9)}  # its fitted latency is replaced by the network's
+    inside = 10e-6 + 0.5 * size / 5e9
+    step = max(50e-6 + size / 4 * share / 0.12e9, size / 2 * share / 0.12e9)
+    # 2 hosts x 2 ranks on 2 cores: every CPU term twice; each rank passes 3 + 1/2 times over half the piece
+    quantizer = 2 * 3.5 * size / 2 * q
+    got = cm.predict(2, 2, "hierarchical", size, links, "int8", cores=2, quantizer=q, piece_cpu=c8)
+    assert got == pytest.approx(2 * step + 2 * c8 + quantizer + 2 * 2 * inside)
+    # a core per rank: nothing stretched; in 2 pieces, each pays both terms
+    got = cm.predict(2, 2, "hierarchical", size, links, "int8", quantizer=q, piece_cpu=c8)
+    assert got == pytest.approx(2 * step + c8 + 3.5 * size / 2 * q + 2 * inside)
+    half = size / 2
+    in_half = 10e-6 + 0.5 * half / 5e9
+    step_half = max(50e-6 + half / 4 * share / 0.12e9, half / 2 * share / 0.12e9)
+    across = 2 * step_half + c8 + 3.5 * half / 2 * q
+    got = cm.predict(2, 2, "hierarchical", size, links, "int8", piece=half, quantizer=q, piece_cpu=c8)
+    assert got == pytest.approx(in_half + max(across, 2 * in_half) + across + in_half)
+    # other wires pay neither
+    assert cm.predict(2, 2, "hierarchical", size, LINKS, "bfloat16", quantizer=q, piece_cpu=c8) == pytest.approx(
+        cm.predict(2, 2, "hierarchical", size, LINKS, "bfloat16"))
+
+
+def test_fit_link_takes_out_what_was_measured_apart():
+    alpha, beta, extra = 300e-6, 1 / 0.12e9, 2e-12
+    rows = [{"bytes": size, "time_s": 2 * (alpha + size / 2 * beta) + size * extra}
+            for size in (MIB, 2 * MIB, 4 * MIB, 8 * MIB)]
+    got = cm.fit_link(rows, 2, None, besides=lambda r: r["bytes"] * extra)
+    assert got == pytest.approx((alpha, beta), rel=1e-6)
+
+
+def test_the_quantizer_is_measured_alone_in_seconds_per_byte():
+    q = cm.measure_quantizer(numel=1 << 14, rounds=2)
+    assert 0 < q < 1e-7  # a pass over 64 KiB of float32 on one core: far under 7 ms
+
+
 def test_pipelined_hierarchical_overlaps_the_host_phases_with_the_network():
     one_piece = cm.predict(2, 2, "hierarchical", 16 * MIB, LINKS)
     pieces = cm.predict(2, 2, "hierarchical", 16 * MIB, LINKS, piece=4 * MIB)
