@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from backend import agreement
+from smddp_lite.backend import agreement
 
 
 def test_agreed_compares_every_rank_with_the_first_and_takes_unhashable_values():

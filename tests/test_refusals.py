@@ -11,9 +11,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from backend.process_group import _own_keys
-from backend.signatures import signature
-from backend.transports.refusals import SIGNATURE_SLOTS, RefusalBoard
+from smddp_lite.backend.process_group import _own_keys
+from smddp_lite.backend.signatures import signature
+from smddp_lite.backend.transports.refusals import SIGNATURE_SLOTS, RefusalBoard
 
 TIMEOUT = timedelta(seconds=10)
 
@@ -63,7 +63,7 @@ def test_a_group_made_again_on_the_same_store_does_not_hear_old_refusals():
 
 
 def test_a_long_wait_looks_less_often(monkeypatch):
-    from backend.transports import refusals
+    from smddp_lite.backend.transports import refusals
 
     board = _group(dist.HashStore(), 1)[0]
     clock = [100.0]
@@ -212,7 +212,7 @@ def test_signatures_compare_step_by_step_and_slots_are_reused():
 def test_a_wait_compares_signatures_once_after_a_second(monkeypatch):
     """One store request per call that waits over a second (MISMATCH_LOOK_AFTER_S), none sooner:
     a rank slow to arrive makes its peers wait without anything being wrong."""
-    from backend.transports import refusals
+    from smddp_lite.backend.transports import refusals
 
     store = _CountingStore(dist.HashStore())
     board = _group(store, 2)[0]

@@ -4,7 +4,7 @@ ranks' look and shm's headers all use them, so they are tested here once, by wha
 import pytest
 import torch
 
-from backend.signatures import MISMATCH_SAID, describe, mismatch_said, signature
+from smddp_lite.backend.signatures import MISMATCH_SAID, describe, mismatch_said, signature
 
 F32 = torch.float32
 
