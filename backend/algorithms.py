@@ -9,7 +9,6 @@ collective, and non-contiguous tensors go through a contiguous copy.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
@@ -362,7 +361,7 @@ class Collectives:
         mine = torch.tensor(list(input_splits) + list(output_splits) + [row, SIZES_MARK], dtype=torch.int64)
         table = torch.empty(w * mine.numel(), dtype=torch.int64)
         # int64 sizes move here, whatever the data's dtype: the step carries none
-        self.transport.gather_split_sizes(dataclasses.replace(step, carrying=None), table, mine)
+        self.transport.gather_split_sizes(step._replace(carrying=None), table, mine)
         rows = table.view(w, mine.numel()).tolist()
         unmarked = [p for p, r in enumerate(rows) if r[-1] != SIZES_MARK]
         if unmarked:

@@ -9,13 +9,15 @@ call it runs, for its headers, its waits on the refusal board and its error mess
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import torch
 
 
-@dataclasses.dataclass(frozen=True)
-class Call:
+class Call(NamedTuple):
+    """(A NamedTuple: immutable, and made in a third of a frozen dataclass's time, twice per
+    collective on the hot path.)"""
+
     index: int
     """The group's call number: identical on every rank that makes the same calls, so peers find
     each other's refusals and signatures under it."""
