@@ -130,6 +130,9 @@ def test_uneven_all_gather_is_staged_and_even_ones_go_to_nccl():
     assert "different sizes" in staging_reason(support, "all_gather", (uneven, [inp]), {}, [inp])
     assert gathers_unevenly([x(n=4), x(n=6)], inp) and not gathers_unevenly([x(n=4)] * 2, [inp])
     assert not gathers_unevenly([], [])
+    # malformed arguments are the call's to refuse, with its own message: the router only steps aside
+    assert staging_reason(support, "all_gather", (x(n=8), inp), {}, [inp]) is None
+    assert staging_reason(support, "all_gather", (), {}, []) is None
 
 
 def test_without_nccl_every_cuda_call_is_staged():

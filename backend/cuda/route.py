@@ -47,7 +47,7 @@ def gathers_unevenly(outputs, inputs) -> bool:
     """An all_gather whose outputs differ in size from the input (NCCL allows them; gloo does
     not): the CPU path carries it as an uneven all_to_all, which checks the sizes across ranks,
     and NCCL's all_gather takes equal blocks only, so on CUDA it goes through host memory."""
-    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs or [])
+    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs) if isinstance(inputs, (list, tuple)) else []
     return bool(inputs) and isinstance(inputs[0], torch.Tensor) and any(
         isinstance(out, torch.Tensor) and out.numel() != inputs[0].numel() for out in outputs)
 
@@ -93,9 +93,11 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str):
 
 
 def _inner_list(tensor_lists) -> list:
-    """The one list of ``[[t0, t1, ...]]`` (c10d's list-of-lists form), or the list itself."""
-    tensor_lists = list(tensor_lists or [])
+    """The one list of ``[[t0, t1, ...]]`` (c10d's list-of-lists form), or the list itself; []
+    for anything else, which the call's own checks then refuse."""
+    if not isinstance(tensor_lists, (list, tuple)):
+        return []
     if tensor_lists and isinstance(tensor_lists[0], (list, tuple)):
         return list(tensor_lists[0])
-    return tensor_lists
+    return list(tensor_lists)
 
