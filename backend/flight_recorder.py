@@ -1,9 +1,11 @@
 """The flight recorder: every group's last calls, dumped in the format torch's analyzer reads.
 
 torch's backends keep a ring of their last N calls per process (``TORCH_FR_BUFFER_SIZE``, 2000 by
-default; here 0, off, unless a variable sets it: recording a call in Python costs about 10 us,
-1.19x a 256 B shared-memory all_reduce's median, against the 5% a default may cost) and ``python -m torch.distributed.flight_recorder.fr_trace`` reads one dump per rank and
-names the rank and the call where a group went apart. torch's C++ recorder takes no entries from
+default; here 0, off, unless a variable sets it: recording a call costs about 3.4 us of CPU in
+Python, 2.3 without stack traces, 1.10x a 256 B shared-memory all_reduce's median on a shared
+2-core VM, against the 5% a default may cost: benchmarks/results/2026-11-29-flight-recorder-cost.md)
+and ``python -m torch.distributed.flight_recorder.fr_trace`` reads one dump per rank and names the
+rank and the call where a group went apart. torch's C++ recorder takes no entries from
 a Python backend, so this module keeps the same ring and writes the same pickle (version "2.10",
 the keys ``fr_trace``'s loader and matcher read). The process group hands each call to ``track``,
 once, which returns the call's body wrapped; nothing below the group knows of the recorder.
@@ -16,12 +18,11 @@ and dumps too, so the analyzer gets every rank that is still alive.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 import logging
 import os
 import pickle
-import sys
 import threading
 import time
 from typing import Callable
@@ -40,6 +41,15 @@ _TORCH_NAMES = {"all_gather_into_tensor": "_all_gather_base", "reduce_scatter_te
                 "all_to_all_single": "all_to_all", "barrier": "all_reduce_barrier",
                 "all_gather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
                 "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced"}
+_NAMES: dict[tuple[str, str], str] = {}  # (prefix, op): its profiling name, made once (one string for all)
+
+
+def _profiling_name(prefix: str, op: str) -> str:
+    """The name of ``op``'s calls in the dumps, made on its first call (``_NAMES`` then has it)."""
+    name = _NAMES[(prefix, op)] = f"{prefix}:{_TORCH_NAMES.get(op, op)}"
+    return name
+
+
 # c10::ScalarType's names, as torch's dumps spell dtypes
 _SCALAR_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
                  torch.int8: "Char", torch.uint8: "Byte", torch.int16: "Short", torch.int32: "Int",
@@ -92,9 +102,36 @@ class RecorderSettings:
                    only_active=_flag(env, ("TORCH_INCLUDE_ONLY_ACTIVE",), False))
 
 
+# An entry is a plain tuple of ints, strings and tuples that are made once and shared (a call's
+# sizes, its thread): the GC untracks such a tuple at its first collection, so the ring's thousands
+# of live entries cost the full collections nothing. (An object per entry stays tracked: in a job,
+# the ring of such entries set off an extra full collection, of 50-200 ms, every few thousand
+# calls. Tuples nested in a new entry stay tracked for a while too: a collection untracks one level
+# of them.) Fields, in order:
+#   record_id, pg_id, seq_id, p2p_seq_id, profiling name, input sizes, output sizes,
+#   time created (ns), thread (ident, name)
+# where sizes are ((shape, dtype), ...) with shape a tuple of ints: spelled out only at a dump.
+# The ring keeps the rest in lists of its own, slot by slot: the stack (a CapturedTraceback, a type
+# the GC knows, so that a tuple holding one stays tracked) and the times started and completed.
+
+_SIZES: dict[tuple, tuple] = {}  # the (shape, dtype) of a call's tensors: their sizes, made once
+_SIZES_KEPT = 4096  # then forgotten, all at once: shapes that change with every call cannot grow it
+
+
 def _sizes(tensors: list[torch.Tensor]) -> tuple:
-    """(shape, dtype) of each tensor, as they are: spelled out only when a dump asks."""
-    return tuple([(t.shape, t.dtype) for t in tensors])
+    """((shape, dtype), ...) of the tensors, the same tuple for every call of the same sizes."""
+    if len(tensors) == 1:  # most calls: a key made without a comprehension's frame, in half the time
+        t = tensors[0]
+        key = (t.shape, t.dtype)
+    else:
+        key = tuple([(t.shape, t.dtype) for t in tensors])
+    sizes = _SIZES.get(key)
+    if sizes is None:
+        if len(_SIZES) >= _SIZES_KEPT:
+            _SIZES.clear()
+        # plain tuples: a torch.Size (a subclass) would keep them tracked by the GC for good
+        sizes = _SIZES[key] = tuple([(tuple(t.shape), t.dtype) for t in tensors])
+    return sizes
 
 
 def _spelled(sizes: tuple) -> tuple[list[list[int]], list[str]]:
@@ -102,46 +139,99 @@ def _spelled(sizes: tuple) -> tuple[list[list[int]], list[str]]:
             [_SCALAR_NAMES.get(dtype) or str(dtype).removeprefix("torch.") for _, dtype in sizes])
 
 
-def _line(code, lasti: int) -> int | None:
-    for start, end, line in code.co_lines():
-        if start <= lasti < end:
-            return line
-    return code.co_firstlineno
+# The caller's Python stack as torch's own recorder takes it (CapturedTraceback::gather): in C,
+# each frame's code object and offset, about a tenth of the time a walk of the frames in Python
+# takes (1 against 10 us for 20 frames, measured side by side); names, files and lines are read
+# only at a dump. Python frames only: TorchScript's and C++'s are not what a caller of a Python
+# backend looks for.
+_gather_stack = functools.partial(torch._C._profiler.gather_traceback, True, False, False)
+_STACK_DEPTH = 40  # frames kept in a dump, from the first one outside this package
 
 
-def _stack() -> tuple:
-    """The caller's frames as one flat tuple (code, offset, code, offset, ...), innermost first,
-    from the first frame outside this package: lines, names and files are read only when a dump
-    asks (a frame's f_lineno costs 0.1 us each; holding frames would keep their locals)."""
-    frame, frames = sys._getframe(2), []
-    while frame is not None and frame.f_code.co_filename.startswith(_BACKEND_DIR):  # from torch's frames on
-        frame = frame.f_back
-    while frame is not None and len(frames) < 40:
-        frames.append(frame.f_code)
-        frames.append(frame.f_lasti)
-        frame = frame.f_back
-    return tuple(frames)
+def _frames(stacks: list) -> list[list[dict]]:
+    """Each stack's frames as the dumps spell them, innermost first, from the caller of the
+    process group on (the frames of this package are the recorder's and the group's own); no
+    frames for a stack not taken (None) or, with a warning, where torch cannot name them.
+
+    torch's symbolizer asks torch._inductor for the frames of the code it generated, which
+    imports it the first time (a second or two, once per process): only a dump pays that."""
+    taken = [stack for stack in stacks if stack is not None]
+    try:
+        named = iter(torch._C._profiler.symbolize_tracebacks(taken) if taken else [])
+    except Exception as exc:  # a dump is made where something already failed: it must not fail too
+        log.warning("smddp: the flight recorder's dump has no stack traces: torch could not name their frames (%s)",
+                    exc)
+        return [[] for _ in stacks]
+    result = []
+    for stack in stacks:
+        frames = next(named) if stack is not None else []
+        first = 0
+        while first < len(frames) and frames[first]["filename"].startswith(_BACKEND_DIR):
+            first += 1
+        result.append(frames[first:first + _STACK_DEPTH])
+    return result
 
 
-class _Entry:
-    __slots__ = ("record_id", "group", "seq_id", "p2p_seq_id", "name", "inputs", "outputs", "created_ns",
-                 "started_ns", "completed_ns", "state", "stack", "thread")
+_thread = threading.local()
 
-    def to_dict(self, with_stack: bool) -> dict:
-        group = self.group
-        inputs, outputs, stack = _spelled(self.inputs), _spelled(self.outputs), self.stack
-        return {"record_id": self.record_id, "pg_id": group.pg_id, "process_group": (group.name, group.desc),
-                "collective_seq_id": self.seq_id, "p2p_seq_id": self.p2p_seq_id, "op_id": self.seq_id,
-                "profiling_name": self.name, "time_created_ns": self.created_ns,
-                "input_sizes": inputs[0], "input_dtypes": inputs[1],
-                "output_sizes": outputs[0], "output_dtypes": outputs[1],
-                "state": self.state, "time_discovered_started_ns": self.started_ns,
-                "time_discovered_completed_ns": self.completed_ns, "retired": self.state == "completed",
-                "timeout_ms": group.timeout_ms, "is_p2p": self.p2p_seq_id > 0,
-                "thread_id": str(self.thread[0]), "thread_name": self.thread[1],
-                "frames": [{"name": stack[i].co_name, "filename": stack[i].co_filename,
-                            "line": _line(stack[i], stack[i + 1])} for i in range(0, len(stack), 2)]
-                if with_stack else []}
+
+def _thread_of_caller() -> tuple[int, str]:
+    """(ident, name) of this thread, made once per thread (current_thread() costs 0.2 us): a
+    thread renamed after its first call keeps its first name here."""
+    try:
+        return _thread.ident_and_name
+    except AttributeError:
+        thread = threading.current_thread()
+        _thread.ident_and_name = (thread.ident, thread.name)
+        return _thread.ident_and_name
+
+
+class _Ring:
+    """The last ``size`` entries of a process, in lists made once: record ``i`` is in slot
+    ``i % size``; its stack (None: not taken) and its start and completion times (None: not
+    yet) are in the same slot of three more lists (the GC walks a list, not the ints in it)."""
+
+    __slots__ = ("size", "entries", "stacks", "started", "completed")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: list[tuple | None] = [None] * size
+        self.stacks: list[object | None] = [None] * size
+        self.started: list[int | None] = [None] * size
+        self.completed: list[int | None] = [None] * size
+
+    def put(self, entry: tuple, stack, started_ns: int | None = None) -> int:
+        slot = entry[0] % self.size
+        self.entries[slot], self.stacks[slot] = entry, stack
+        self.started[slot], self.completed[slot] = started_ns, None
+        return slot
+
+    def held(self, next_record_id: int) -> list[tuple[tuple, object | None, int | None, int | None]]:
+        """(entry, stack, started, completed) of every entry held, oldest first (a ring made
+        larger holds none of the oldest records its size would allow)."""
+        held = []
+        for record_id in range(max(0, next_record_id - self.size), next_record_id):
+            slot = record_id % self.size
+            if self.entries[slot] is not None and self.entries[slot][0] == record_id:
+                held.append((self.entries[slot], self.stacks[slot], self.started[slot], self.completed[slot]))
+        return held
+
+
+def _entry_dict(entry: tuple, started_ns: int | None, completed_ns: int | None, frames: list[dict]) -> dict:
+    """An entry as torch's recorder writes it (the keys fr_trace reads)."""
+    record_id, pg_id, seq_id, p2p_seq_id, name, inputs, outputs, created_ns, thread = entry
+    group = _PROCESS.groups[pg_id]
+    state = "scheduled" if started_ns is None else "started" if completed_ns is None else "completed"
+    inputs, outputs = _spelled(inputs), _spelled(outputs)
+    return {"record_id": record_id, "pg_id": pg_id, "process_group": (group.name, group.desc),
+            "collective_seq_id": seq_id, "p2p_seq_id": p2p_seq_id, "op_id": seq_id,
+            "profiling_name": name, "time_created_ns": created_ns,
+            "input_sizes": inputs[0], "input_dtypes": inputs[1],
+            "output_sizes": outputs[0], "output_dtypes": outputs[1],
+            "state": state, "time_discovered_started_ns": started_ns,
+            "time_discovered_completed_ns": completed_ns,
+            "retired": state == "completed", "timeout_ms": group.timeout_ms, "is_p2p": p2p_seq_id > 0,
+            "thread_id": str(thread[0]), "thread_name": thread[1], "frames": frames}
 
 
 class _Process:
@@ -149,26 +239,41 @@ class _Process:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.entries: collections.deque[_Entry] = collections.deque(maxlen=1)
+        self.ring = _Ring(1)
         self.next_record_id = 0
         self.groups: dict[int, GroupRecorder] = {}
         self.global_rank = 0
+
+    def resize(self, size: int) -> None:
+        """Keep the last ``size`` entries (a group asked for another size than the first one)."""
+        with self.lock:
+            if self.ring.size == size:
+                return
+            ring = _Ring(size)
+            for entry, stack, started, completed in self.ring.held(self.next_record_id)[-size:]:
+                ring.completed[ring.put(entry, stack, started)] = completed
+            self.ring = ring
 
     def dump(self, settings: RecorderSettings, include_collectives: bool = True,
              include_stack_traces: bool | None = None, only_active: bool | None = None) -> bytes:
         with_stack = settings.include_stack_traces if include_stack_traces is None else include_stack_traces
         active = settings.only_active if only_active is None else only_active
         with self.lock:
-            entries = list(self.entries) if include_collectives else []
+            held = self.ring.held(self.next_record_id) if include_collectives else []
             groups = list(self.groups.values())
+        if active:
+            held = [e for e in held if e[3] is None]
+        frames = _frames([stack for _, stack, _, _ in held]) if with_stack else [[] for _ in held]
         return pickle.dumps({
             "version": VERSION, "comm_lib_version": "", "nccl_version": "",
             "pg_config": {g.name: {"name": g.name, "desc": g.desc, "ranks": str(g.ranks)} for g in groups},
             "pg_status": {str(g.pg_id): g.status() for g in groups},
-            "entries": [e.to_dict(with_stack) for e in entries if not active or e.state != "completed"]})
+            "entries": [_entry_dict(entry, started, completed, named)
+                        for (entry, _, started, completed), named in zip(held, frames)]})
 
 
 _PROCESS = _Process()
+_WRITE_LOCK = threading.Lock()
 
 
 def dump(include_collectives: bool = True, include_stack_traces: bool | None = None,
@@ -187,12 +292,15 @@ def write(path: str | None = None) -> str:
     the name fr_trace reads) through a temporary name, so a reader never sees half a file."""
     settings = RecorderSettings.from_env()
     path = path or f"{settings.dump_prefix}{_PROCESS.global_rank}"
-    data = _PROCESS.dump(settings)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    partial = f"{path}.{os.getpid()}.tmp"
-    with open(partial, "wb") as f:
-        f.write(data)
-    os.replace(partial, path)
+    # one writer at a time: a failed call's dump and a watcher's may overlap (the first dump of a
+    # process takes a second or more, see _frames), and both write the same temporary name
+    with _WRITE_LOCK:
+        data = _PROCESS.dump(settings)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        partial = f"{path}.{os.getpid()}.tmp"
+        with open(partial, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
     return path
 
 
@@ -219,9 +327,10 @@ class GroupRecorder:
         self.last = {"enqueued": -1, "started": -1, "completed": -1}
         self.p2p_seq = 0
         self._store, self._dumped, self._stop = store, threading.Event(), threading.Event()
+        self._dump_claim = threading.Lock()  # the watcher's check of _dumped and its claim, as one step
+        self._with_stack = settings.include_stack_traces
+        _PROCESS.resize(settings.buffer_size)
         with _PROCESS.lock:
-            if _PROCESS.entries.maxlen != settings.buffer_size:
-                _PROCESS.entries = collections.deque(_PROCESS.entries, maxlen=settings.buffer_size)
             self.pg_id = len(_PROCESS.groups)
             while self.pg_id in _PROCESS.groups:
                 self.pg_id += 1
@@ -239,33 +348,36 @@ class GroupRecorder:
         return {f"last_{k}_collective": v for k, v in self.last.items()}
 
     def record(self, index: int, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
-               p2p: bool = False) -> _Entry:
-        entry = _Entry()
-        entry.group, entry.name = self, name
-        entry.inputs, entry.outputs = _sizes(inputs), _sizes(outputs)
-        entry.created_ns, entry.started_ns, entry.completed_ns = time.time_ns(), None, None
-        entry.state = "scheduled"
-        entry.stack = _stack() if self.settings.include_stack_traces else ()
-        thread = threading.current_thread()
-        entry.thread = (thread.ident, thread.name)
+               p2p: bool = False, started: bool = False) -> tuple[_Ring, int, tuple]:
+        """Put a call in the ring, scheduled (or ``started``): (the ring, its slot, the entry)."""
+        input_sizes = _sizes(inputs)
+        output_sizes = input_sizes if outputs is inputs else _sizes(outputs)
+        stack = _gather_stack() if self._with_stack else None
         if p2p:
             self.p2p_seq += 1
-            entry.seq_id, entry.p2p_seq_id = self.last["enqueued"] if self.last["enqueued"] > 0 else 0, self.p2p_seq
+            seq_id, p2p_seq_id = max(self.last["enqueued"], 0), self.p2p_seq
         else:
-            entry.seq_id, entry.p2p_seq_id = index, 0
+            seq_id, p2p_seq_id = index, 0
             self.last["enqueued"] = index
-        with _PROCESS.lock:
-            entry.record_id = _PROCESS.next_record_id
-            _PROCESS.next_record_id += 1
-            _PROCESS.entries.append(entry)
-        return entry
+        thread, created_ns = _thread_of_caller(), time.time_ns()
+        process = _PROCESS
+        process.lock.acquire()  # not `with`: half the cost
+        try:
+            entry = (process.next_record_id, self.pg_id, seq_id, p2p_seq_id, name, input_sizes, output_sizes,
+                     created_ns, thread)
+            process.next_record_id += 1
+            ring = process.ring
+            slot = ring.put(entry, stack, created_ns if started else None)
+        finally:
+            process.lock.release()
+        return ring, slot, entry
 
     def record_p2p(self, kind: str, rank: int, peer: int, tensor: torch.Tensor) -> None:
         """A send or recv, as torch names them (``send 0->1``, ``recv 1<-0``); its link completes it
         on a thread of its own, so it stays started."""
         name = f"gloo:send {rank}->{peer}" if kind == "send" else f"gloo:recv {rank}<-{peer}"
-        entry = self.record(0, name, [tensor] if kind == "send" else [], [tensor] if kind == "recv" else [], p2p=True)
-        entry.started_ns, entry.state = entry.created_ns, "started"
+        self.record(0, name, [tensor] if kind == "send" else [], [tensor] if kind == "recv" else [], p2p=True,
+                    started=True)
 
     def track(self, call: int, op: str, tensors: list[torch.Tensor], outputs: list[torch.Tensor],
               body: Callable, prefix: str = "gloo", ends: bool = True) -> Callable:
@@ -274,31 +386,22 @@ class GroupRecorder:
         tells the group. ``tensors`` are all the call's tensors, ``outputs`` those it writes.
         fr_trace knows the ops of its own backends only (nccl, gloo, ...), so the CPU transports'
         calls carry gloo's names."""
-        inputs = [t for t in tensors if not any(t is o for o in outputs)] or outputs  # in place: the same
-        entry = self.record(call, f"{prefix}:{_TORCH_NAMES.get(op, op)}", inputs, outputs)
-
-        def tracked(*args):
-            entry.started_ns, entry.state = time.time_ns(), "started"
-            self.last["started"] = call
-            try:
-                result = body(*args)
-            except BaseException as exc:
-                self.failed(f"{op} (collective {call}) failed: {exc}")
-                raise
-            if not ends:
-                return result
-            entry.completed_ns, entry.state = time.time_ns(), "completed"
-            self.last["completed"] = call
-            return result
-
-        return tracked
+        if tensors is outputs:  # in place (all_reduce, broadcast, ...): the inputs are the outputs
+            inputs = outputs
+        else:
+            inputs = [t for t in tensors if not any(t is o for o in outputs)] or outputs
+        name = _NAMES.get((prefix, op)) or _profiling_name(prefix, op)
+        ring, slot, entry = self.record(call, name, inputs, outputs)
+        # a partial, not a closure: one tuple of arguments where a closure makes a cell for each
+        return functools.partial(_tracked, self, ring, slot, entry, call, op, body, ends)
 
     def failed(self, reason: str) -> None:
         """Dump this rank's record and ask the group's other ranks to dump theirs."""
         if not self.settings.dump_on_failure:
             return
+        with self._dump_claim:  # before writing: a watcher that hears a peer now leaves it to this call
+            self._dumped.set()
         _write_or_warn()  # the failure itself still raises
-        self._dumped.set()
         try:
             if self._store is not None:
                 self._store.set(_SIGNAL_KEY, reason[:2000])
@@ -317,8 +420,13 @@ class GroupRecorder:
                 signalled = store.check([_SIGNAL_KEY])
             except Exception:  # the store's host ended: nothing more to hear
                 return
-            if signalled and not self._dumped.is_set():
-                self._dumped.set()
+            if signalled:
+                with self._dump_claim:
+                    if self._dumped.is_set():  # this rank's own failure dumped, or is dumping
+                        return
+                    self._dumped.set()
+                # a failure of this rank from now on writes after this dump (write() takes turns),
+                # so none is still being written once the failed call has raised
                 _write_or_warn()
                 return
 
@@ -326,6 +434,26 @@ class GroupRecorder:
         self._stop.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=2 * _POLL_S + 1)
+
+
+def _tracked(recorder: GroupRecorder, ring: _Ring, slot: int, entry: tuple, call: int, op: str, body: Callable,
+             ends: bool, *args):
+    """``body(*args)`` with the entry in ``slot`` marked started, then completed (where ``ends``)."""
+    entries, last = ring.entries, recorder.last
+    # the slot may hold a newer call by now (a ring's worth recorded since): this one is gone
+    if entries[slot] is entry:
+        ring.started[slot] = time.time_ns()
+    last["started"] = call
+    try:
+        result = body(*args)
+    except BaseException as exc:
+        recorder.failed(f"{op} (collective {call}) failed: {exc}")
+        raise
+    if ends:
+        if entries[slot] is entry:
+            ring.completed[slot] = time.time_ns()
+        last["completed"] = call
+    return result
 
 
 def profiled(op: str, tensors: list[torch.Tensor], outputs: list[torch.Tensor], submit: Callable):

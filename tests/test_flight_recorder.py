@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from . import harness
 from .flight_recorder_programs import PREFIX
@@ -109,7 +110,8 @@ def test_the_profiler_shows_each_collective_with_its_bytes():
 def test_settings_follow_torchs_variables():
     from smddp_lite.backend.flight_recorder import RecorderSettings
 
-    # off unless asked: recording costs about 10 us a call in Python (docs/errors.md)
+    # off unless asked: recording costs about 3.4 us a call in Python, over 5% of a small call
+    # (benchmarks/results/2026-11-29-flight-recorder-cost.md)
     assert RecorderSettings.from_env({}) == RecorderSettings(buffer_size=0)
     assert RecorderSettings.from_env({"TORCH_FR_BUFFER_SIZE": "2000"}).buffer_size == 2000
     assert RecorderSettings.from_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}).buffer_size == 0
@@ -119,3 +121,100 @@ def test_settings_follow_torchs_variables():
     assert said == RecorderSettings(5, "/x/y_", True, False, True)
     with pytest.raises(ValueError, match="TORCH_FR_BUFFER_SIZE"):
         RecorderSettings.from_env({"TORCH_FR_BUFFER_SIZE": "many"})
+
+
+class _OneRank:
+    """Enough of a process group for a GroupRecorder without a job (no store: no watcher)."""
+
+    group_name, group_desc = "0", "default_pg"
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+
+def _recorder(monkeypatch, size: int, **settings):
+    """A recorder of a ring of its own (the process's ring is left as it was)."""
+    from smddp_lite.backend import flight_recorder
+
+    monkeypatch.setattr(flight_recorder, "_PROCESS", flight_recorder._Process())
+    settings = flight_recorder.RecorderSettings(buffer_size=size, dump_on_failure=False, **settings)
+    return flight_recorder, flight_recorder.GroupRecorder(settings, None, _OneRank(), [0], 60.0)
+
+
+def _entries(flight_recorder, **options) -> list[dict]:
+    return pickle.loads(flight_recorder.dump(**options))["entries"]
+
+
+def test_the_ring_keeps_the_last_calls_and_their_states(monkeypatch):
+    """A ring of 3 after 5 calls: the last 3, oldest first; a call overwritten before it ran
+    leaves the newer entry in its slot as it was."""
+    flight_recorder, recorder = _recorder(monkeypatch, 3)
+    t = torch.ones(2, 3)
+    first = recorder.track(1, "all_reduce", [t], [t], lambda *a: None)  # run after 3 more calls
+    for call in (2, 3):
+        recorder.track(call, "all_reduce", [t], [t], lambda *a: None)()
+    recorder.record_p2p("send", 0, 1, t)
+    gathered = torch.ones(6)
+    scheduled = recorder.track(4, "all_gather_into_tensor", [gathered, t], [gathered], lambda *a: None)
+    first()
+    entries = _entries(flight_recorder)
+    assert [(e["record_id"], e["profiling_name"], e["collective_seq_id"], e["p2p_seq_id"], e["state"])
+            for e in entries] == [(2, "gloo:all_reduce", 3, 0, "completed"), (3, "gloo:send 0->1", 3, 1, "started"),
+                                  (4, "gloo:_all_gather_base", 4, 0, "scheduled")]
+    assert (entries[2]["input_sizes"], entries[2]["output_sizes"], entries[2]["input_dtypes"]) == \
+           ([[2, 3]], [[6]], ["Float"])
+    assert entries[1]["time_discovered_started_ns"] == entries[1]["time_created_ns"]
+    assert entries[2]["time_discovered_started_ns"] is None and entries[2]["time_discovered_completed_ns"] is None
+    assert [e["record_id"] for e in _entries(flight_recorder, only_active=True)] == [3, 4]
+    assert recorder.status() == {"last_enqueued_collective": 4, "last_started_collective": 1,
+                                 "last_completed_collective": 1}
+    scheduled()
+    assert _entries(flight_recorder)[2]["state"] == "completed"
+
+
+def test_a_ring_made_larger_keeps_what_it_held(monkeypatch):
+    flight_recorder, recorder = _recorder(monkeypatch, 2)
+    t = torch.ones(1)
+    for call in (1, 2, 3):
+        recorder.track(call, "broadcast", [t], [t], lambda *a: None)()
+    flight_recorder._PROCESS.resize(4)
+    recorder.track(4, "broadcast", [t], [t], lambda *a: None)
+    assert [(e["collective_seq_id"], e["state"]) for e in _entries(flight_recorder)] == \
+           [(2, "completed"), (3, "completed"), (4, "scheduled")]
+
+
+def test_entries_are_nothing_for_the_garbage_collector(monkeypatch):
+    """The ring's live entries are tuples the cyclic GC untracks: they cost its full collections
+    nothing (objects or dicts per entry were half the recorder's cost per call)."""
+    import gc
+
+    flight_recorder, recorder = _recorder(monkeypatch, 8)
+    t = torch.ones(4, dtype=torch.bfloat16)
+    recorder.track(1, "all_reduce", [t], [t], lambda *a: None)()
+    for _ in range(4):  # what every call of these sizes on this thread shares, made once
+        gc.collect()
+    recorder.track(2, "all_reduce", [t], [t], lambda *a: None)()
+    recorder.record_p2p("recv", 0, 1, t)
+    gc.collect(0)  # the youngest generation's collection, which comes every 700 new objects
+    entries = flight_recorder._PROCESS.ring.entries[1:3]
+    assert [e[4] for e in entries] == ["gloo:all_reduce", "gloo:recv 0<-1"], entries
+    assert not any(gc.is_tracked(e) for e in entries), [gc.is_tracked(e) for e in entries]
+
+
+def _caller_of_the_group(recorder, t):
+    recorder.track(1, "all_reduce", [t], [t], lambda *a: None)()
+
+
+def test_stacks_start_at_the_groups_caller_and_follow_torchs_variable(monkeypatch):
+    flight_recorder, recorder = _recorder(monkeypatch, 4)
+    _caller_of_the_group(recorder, torch.ones(1))
+    frames = _entries(flight_recorder)[0]["frames"]
+    assert frames[0]["name"] == "_caller_of_the_group" and frames[0]["filename"] == __file__, frames[:2]
+    assert frames[1]["name"] == "test_stacks_start_at_the_groups_caller_and_follow_torchs_variable", frames[:2]
+    assert _entries(flight_recorder, include_stack_traces=False)[0]["frames"] == []
+    flight_recorder, recorder = _recorder(monkeypatch, 4, include_stack_traces=False)  # TORCH_INCLUDE_STACK_TRACE=0
+    _caller_of_the_group(recorder, torch.ones(1))
+    assert _entries(flight_recorder)[0]["frames"] == []
