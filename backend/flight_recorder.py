@@ -405,8 +405,8 @@ class GroupRecorder:
         try:
             if self._store is not None:
                 self._store.set(_SIGNAL_KEY, reason[:2000])
-        except Exception:  # the store's host may be gone with the failure
-            pass
+        except Exception as exc:  # the store's host may be gone with the failure: this rank has dumped
+            log.debug("smddp: could not ask the group's other ranks to dump their flight records: %s", exc)
 
     def _watch(self) -> None:
         """Poll the group's ``fr/dump`` key on a store client of its own (a TCPStore client runs
