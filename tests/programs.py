@@ -1342,12 +1342,13 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def soak(rounds: int = 1200, checkpoints: int = 10, compare_from: int = 4) -> dict:
+def soak(rounds: int = 1200, checkpoints: int = 10, compare_from: int = 4, lines_from: int = 2) -> dict:
     """Every kind of collective, round after round, with this rank's memory read at checkpoints:
     the Python heap (tracemalloc, after a full garbage collection) and the resident set. Whatever a
     call leaves behind (a handle, a future, a store key, a buffer) grows them in step with the calls.
     ``growth`` lists the source lines whose live blocks grew most between checkpoint
-    ``compare_from`` and the last, so a leak in one kind of call shows even where the total hides it. Values are checked
+    ``lines_from`` and the last (a snapshot grows the heap itself for a while, so it is taken
+    before ``compare_from``, where the heap's growth is measured from), so a leak in one kind of call shows even where the total hides it. Values are checked
     as it goes, so a leak fixed by corrupting results does not pass."""
     import gc
     import tracemalloc
@@ -1409,7 +1410,7 @@ def soak(rounds: int = 1200, checkpoints: int = 10, compare_from: int = 4) -> di
         gc.collect()
         heap.append(tracemalloc.get_traced_memory()[0])
         resident.append(_resident_bytes())
-        if c == compare_from:
+        if c == lines_from:
             reference = tracemalloc.take_snapshot()
     diffs = tracemalloc.take_snapshot().compare_to(reference, "lineno")
     tracemalloc.stop()
