@@ -114,6 +114,29 @@ def test_blocks_of_vanishing_magnitude_travel_as_zeros_not_nan(dtype, force_trit
     assert ((back - x).abs() <= bound * (1 + 1e-5)).all(), ((back - x).abs() / bound).max()
 
 
+
+@pytest.mark.parametrize("dtype", WIRES, ids=IDS)
+def test_the_reference_needs_no_clamp_where_the_scaled_value_rounds_past_the_largest_code(dtype):
+    """The reference takes x * fl(QMAX / largest) without clamping it to [-QMAX, QMAX]: that product
+    is at most QMAX (1 + 2**-24)**2, which rounds (int8) or casts (float8) to QMAX. Blocks whose
+    largest magnitude makes the product land above QMAX (a fifth of them, at their largest element) come
+    out as the clamped computation's, bit for bit, and in range; the short last block too."""
+    qmax = FORMATS[dtype][0]
+    block = 16
+    gen = torch.Generator().manual_seed(3)
+    largest = torch.rand(4096, generator=gen) * 10.0 ** torch.randint(-20, 20, (4096,), generator=gen).float()
+    x = torch.rand(4096, block, generator=gen) * 2 - 1
+    x[:, 0] = 1.0
+    x = (x * largest[:, None] * torch.where(torch.rand(4096, 1, generator=gen) < 0.5, -1.0, 1.0)).reshape(-1)[:-5]
+    blocks = torch.cat([x, x.new_zeros(5)]).view(-1, block)
+    peak = blocks.abs().amax(1, keepdim=True)
+    scaled = blocks * (qmax / peak)
+    assert (scaled.abs() > qmax).any(), "no block reaches past QMAX: the case is not exercised"
+    want = (scaled.round() if dtype == torch.int8 else scaled).clamp(-qmax, qmax).to(dtype).reshape(-1)[: x.numel()]
+    q, scales = quantize(x.to(DEVICE), dtype, block, force_triton=False)
+    assert torch.equal(_bits(q.cpu()), _bits(want)), (_bits(q.cpu()) != _bits(want)).sum()
+    assert torch.equal(scales.cpu(), (peak / qmax).reshape(-1))
+    assert q.float().abs().max() == qmax
 @pytest.mark.parametrize("block, says", [(100, "power of two"), (8, "from 16"), (1 << 17, "to 65536"),
                                          (16.0, "power of two")])
 def test_a_bad_block_size_is_refused_saying_what_is_taken(block, says):

@@ -59,6 +59,7 @@ from smddp_lite.config import QUANTIZED_WIRE_DTYPES
 from .. import numerics
 from ..call import Call
 from ..ops import LOW_PRECISION, RedOp
+from ..scratch import Scratch
 from .base import Capabilities, Transport
 from .gloo import GlooTransport
 from .refusals import RefusalBoard
@@ -143,6 +144,11 @@ class HierarchicalTransport(Transport):
         self.by_local_index = [topology.local[k][j] for j in range(self.per_node) for k in range(self.nodes)]
         self._grid_strides = _grid_strides(self.by_local_index, self.per_node, self.nodes)
         self._logged: set[tuple[str, bool, bool]] = set()
+        # the pieces' working buffers, kept from call to call (backend/scratch.py says why): each
+        # piece's own where they stay in flight while later pieces start (_piece_buffer), one for
+        # all pieces where a piece's follow-up consumes them before the next piece's finish runs.
+        # Calls run one at a time and end every piece before they return, so no call meets another's.
+        self._scratch = Scratch(config.scratch_max_bytes)
 
     def _hierarchical(self, op: str, nbytes: int, sums: torch.dtype | None = None) -> bool:
         """Whether a call takes the hierarchical path (else gloo over all ranks).
@@ -180,12 +186,24 @@ class HierarchicalTransport(Transport):
         n, L = tensor.numel(), self.per_node
         piece = max(L, self.chunk_bytes // tensor.element_size() // L * L)  # whole shards per piece
         started = []
-        for start in range(0, n, piece):
+        for index, start in enumerate(range(0, n, piece)):
             part = tensor[start : start + piece]
-            padded, shard = self._reduce_in_host(call, part, in_host)
-            started.append((self._start_inter_all_reduce(call, shard, op, mean_of),
+            padded, shard = self._reduce_in_host(call, part, in_host, index)
+            started.append((self._start_inter_all_reduce(call, shard, op, mean_of, index),
                             lambda total, part=part, padded=padded: self._gather_in_host(call, part, padded, total)))
         _end_in_start_order(started)
+
+    def _piece_buffer(self, use: str, index: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A working buffer of piece ``index`` of an all_reduce, reduce_scatter or all_gather that
+        stays in use while later pieces start: one per piece, kept from call to call. A piece is
+        at most hierarchical_chunk_bytes of the message, and so is each of its buffers (give or
+        take the padding to whole shards and blocks): the pieces' buffers of one use are kept
+        while they fit in scratch_max_bytes together, and the pieces past that get fresh ones.
+        Fresh ones cost page faults: a DDP bucket of 2.6M float32 sums between 2 hosts on an int8
+        wire took 17 ms of CPU in fresh buffers and 9 ms in kept ones (one rank, 6 pieces)."""
+        if (index + 1) * self.chunk_bytes > self._scratch.max_bytes:
+            return torch.empty(numel, dtype=dtype)
+        return self._scratch.get(f"{use} {index}", dtype, numel)
 
     def _averaged_in_host(self, op: RedOp, dtype: torch.dtype) -> tuple[RedOp, RedOp, int | None]:
         """(the op inside the host, the op between hosts, how many ranks the AVG between hosts
@@ -202,49 +220,60 @@ class HierarchicalTransport(Transport):
             return RedOp.AVG, RedOp.AVG, self.nodes  # the hosts' means
         return RedOp.SUM, RedOp.AVG, self.world_size  # the hosts' sums
 
-    def _reduce_in_host(self, call: Call, tensor: torch.Tensor, op: RedOp) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``tensor`` padded to L equal shards, this rank's shard summed over its host)."""
+    def _reduce_in_host(self, call: Call, tensor: torch.Tensor, op: RedOp,
+                        index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``tensor`` padded to L equal shards, this rank's shard summed over its host), both
+        kept for piece ``index`` until its all-gather inside the host."""
         n, L = tensor.numel(), self.per_node
         s = math.ceil(n / L)
-        padded = tensor if n == s * L else torch.cat([tensor, tensor.new_zeros(s * L - n)])
-        shard = torch.empty(s, dtype=tensor.dtype)
+        padded = tensor
+        if n != s * L:  # zeros past the end: they are summed, and quantized beside the values
+            padded = self._piece_buffer("padded", index, tensor.dtype, s * L)
+            padded[:n].copy_(tensor)
+            padded[n:].zero_()
+        shard = self._piece_buffer("shard", index, tensor.dtype, s)
         self.intra.reduce_scatter(call, shard, padded, op)
         return padded, shard
 
     def _gather_in_host(self, call: Call, tensor: torch.Tensor, padded: torch.Tensor, total: torch.Tensor) -> None:
         """All-gather each local rank's ``total`` (its shard's sum over all hosts) into ``tensor``;
-        a ``total`` in a 16-bit wire dtype is gathered as it is and widened once at the end."""
+        a ``total`` in a 16-bit wire dtype is gathered as it is and widened once at the end. The
+        gathered wire values are consumed here, before the next piece's: one buffer serves all."""
         if total.dtype != padded.dtype:
-            padded = torch.empty(padded.numel(), dtype=total.dtype)
+            padded = self._scratch.get("gathered", total.dtype, padded.numel())
         self.intra.all_gather(call, padded, total)
         if padded is not tensor:
             tensor.copy_(padded[: tensor.numel()])
 
     def _start_inter_all_reduce(self, call: Call, shard: torch.Tensor, op: RedOp,
-                                mean_of: int | None = None) -> Callable[[], torch.Tensor]:
+                                mean_of: int | None = None, index: int = 0) -> Callable[[], torch.Tensor]:
         """Start reducing ``shard`` with the same-index ranks of the other hosts; returns the
         function that waits and returns the result: ``shard`` itself, or the sums as they came
         off a 16-bit wire (every local rank's in the same dtype, since all see the same config).
-        An AVG (16-bit, of ``mean_of`` ranks): the float32 sums are divided before rounding."""
+        An AVG (16-bit, of ``mean_of`` ranks): the float32 sums are divided before rounding.
+        ``index``: the piece of the all_reduce, whose buffers stay in flight beside the others'.
+        What the function returns is consumed (gathered inside the host) before the next piece's
+        function runs, so the buffers it is made in may serve every piece."""
         floating = shard.dtype.is_floating_point
         wire = self.wire if shard.dtype not in LOW_PRECISION else shard.dtype
         if op is RedOp.AVG:
             # gloo's ring would round the sum before the division could happen; the exchange of
             # _start_compressed_sum sums in float32 on one rank per slice, which can divide first
-            return self._start_compressed_sum(call, shard, shard.dtype, op, mean_of)
+            return self._start_compressed_sum(call, shard, shard.dtype, op, mean_of, index)
         if op is RedOp.SUM and shard.dtype == torch.float32 and wire in QUANTIZED_WIRES:
-            return self._start_quantized_sum(call, shard, wire)
+            return self._start_quantized_sum(call, shard, wire, index)
         if op is RedOp.SUM and floating and wire is not None and shard.dtype != torch.float64:
             if self.nodes > 2 and self.exact_16bit_sums:
-                return self._start_compressed_sum(call, shard, wire)
+                return self._start_compressed_sum(call, shard, wire, index=index)
             # two hosts: one addition per element, which gloo's own ring rounds to the wire dtype
             # once, exactly as a float32 sum rounded at the end; and its ring pipelines sending
             # with adding, where the all-to-all + all-gather of _start_compressed_sum run as two
             # exposed phases (2 simulated hosts x 2 ranks, 1 Gbit/s: 16 MiB in 96 ms against 125 ms).
             # More hosts with inter_node_accumulate="wire": the same ring, rounding on every hop.
-            on_wire = shard if shard.dtype == wire else shard.to(wire)
+            on_wire = shard if shard.dtype == wire else \
+                self._piece_buffer("on wire", index, wire, shard.numel()).copy_(shard)
         elif shard.dtype in LOW_PRECISION:  # gloo alone would sum 16-bit floats in 16 bits at every hop
-            on_wire = shard.float()
+            on_wire = self._piece_buffer("widened", index, torch.float32, shard.numel()).copy_(shard)
         else:
             on_wire = shard
         wait = self.inter.all_reduce_async(call, on_wire, op)
@@ -259,12 +288,18 @@ class HierarchicalTransport(Transport):
 
         return finish
 
-    def _start_quantized_sum(self, call: Call, shard: torch.Tensor, wire: torch.dtype) -> Callable[[], torch.Tensor]:
+    def _start_quantized_sum(self, call: Call, shard: torch.Tensor, wire: torch.dtype,
+                             index: int = 0) -> Callable[[], torch.Tensor]:
         """Sum float32 ``shard`` across hosts with 8-bit values on the network: as
         _start_compressed_sum, but each slice travels blockwise quantized (kernels/quantize.py),
         its float32 scales beside it. Each host's values are quantized once, summed in float32
         where they land, and the sums come back quantized once: two roundings, whatever the
-        number of hosts, where a ring would round on every hop."""
+        number of hosts, where a ring would round on every hop.
+
+        The values and scales sent and received stay in flight until this piece's finish, and
+        are the piece's own (``index``); the sums, their quantized values and what they
+        dequantize to are made in the finish and consumed before the next piece's, in buffers
+        every piece shares."""
         from smddp_lite.kernels.quantize import blocks_of, dequantize_add, quantize
 
         N, s, block = self.nodes, shard.numel(), self.wire_block
@@ -278,50 +313,64 @@ class HierarchicalTransport(Transport):
             log.info("smddp: rank %d sends %d float32 sums to %d other hosts as %s in blocks of %d, %d bytes "
                      "per call (float32: %d)", self.rank, s, N - 1, str(wire).replace("torch.", ""), block, sent,
                      2 * (N - 1) * blocks_of(s, N) * 4)
-        send = shard if N * sub == s else torch.cat([shard, shard.new_zeros(N * sub - s)])
-        values, scales = quantize(send, wire, block)
-        got_values, got_scales = torch.empty_like(values), torch.empty_like(scales)
-        moved = [self.inter.all_to_all_async(call, got_values.view(torch.uint8), values.view(torch.uint8)),
+        # the slices are whole blocks, so the blocks of ``shard`` are those of ``shard`` padded with
+        # zeros to N slices: quantized where it lies, the padding is zero values and zero scales
+        values = self._piece_buffer("quantized values", index, torch.uint8, N * sub)
+        scales = self._piece_buffer("quantized scales", index, torch.float32, N * per_slice)
+        filled = blocks_of(s, block)
+        quantize(shard, wire, block, out=(values[:s].view(wire), scales[:filled]))
+        values[s:].zero_()  # 0 in every 8-bit format
+        scales[filled:].zero_()
+        got_values = self._piece_buffer("received values", index, torch.uint8, N * sub)
+        got_scales = self._piece_buffer("received scales", index, torch.float32, N * per_slice)
+        moved = [self.inter.all_to_all_async(call, got_values, values),
                  self.inter.all_to_all_async(call, got_scales, scales)]  # block q: host q's part of my slice
 
         def finish() -> torch.Tensor:
-            for wait in moved:
-                wait()
-            total = torch.zeros(sub, dtype=torch.float32)
+            _wait_for_all(moved)  # both, also after a failure: the buffers are this piece's until then
+            got = got_values.view(wire)
+            total = self._scratch.get("quantized total", torch.float32, sub).zero_()
             for q in range(N):  # in host order, as every rank's slice is: the same bits everywhere
-                dequantize_add(total, got_values[q * sub : (q + 1) * sub], got_scales[q * per_slice : (q + 1) * per_slice],
+                dequantize_add(total, got[q * sub : (q + 1) * sub], got_scales[q * per_slice : (q + 1) * per_slice],
                                block)
-            mine, my_scales = quantize(total, wire, block)
-            self.inter.all_gather(call, values.view(torch.uint8), mine.view(torch.uint8))
+            mine = self._scratch.get("quantized sums", torch.uint8, sub)
+            my_scales = self._scratch.get("quantized sum scales", torch.float32, per_slice)
+            quantize(total, wire, block, out=(mine.view(wire), my_scales))
+            self.inter.all_gather(call, values, mine)  # the all-to-all is over: its buffers are free
             self.inter.all_gather(call, scales, my_scales)
-            summed = torch.zeros(N * sub, dtype=torch.float32)
-            dequantize_add(summed, values, scales, block)
-            return summed[:s]
+            # only the first s sums are the caller's: the rest is the padding's
+            summed = self._scratch.get("quantized summed", torch.float32, s).zero_()
+            dequantize_add(summed, values[:s].view(wire), scales[:filled], block)
+            return summed
 
         return finish
 
     def _start_compressed_sum(self, call: Call, shard: torch.Tensor, wire: torch.dtype, op: RedOp = RedOp.SUM,
-                              mean_of: int | None = None) -> Callable[[], torch.Tensor]:
+                              mean_of: int | None = None, index: int = 0) -> Callable[[], torch.Tensor]:
         """Sum ``shard`` across hosts with ``wire`` on the network and float32 arithmetic: an
         all-to-all of wire-dtype slices (started now), then each host sums one slice (and
         divides it, for an AVG of ``mean_of`` ranks) and the results are all-gathered (when
-        finished)."""
+        finished). The slices sent and received are piece ``index``'s own; the sum, made in the
+        finish, is in a buffer every piece shares."""
         N, s = self.nodes, shard.numel()
         sub = math.ceil(s / N)
-        if N * sub == s:
-            send = shard if shard.dtype == wire else shard.to(wire)
+        if N * sub == s and shard.dtype == wire:
+            send = shard
         else:
-            send = torch.zeros(N * sub, dtype=wire)
+            send = self._piece_buffer("compressed send", index, wire, N * sub)
             send[:s].copy_(shard)
-        slices = torch.empty(N * sub, dtype=wire)
+            send[s:].zero_()
+        slices = self._piece_buffer("compressed slices", index, wire, N * sub)
         exchanged = self.inter.all_to_all_async(call, slices, send)  # block q: host q's values of my slice
 
         def finish() -> torch.Tensor:
             exchanged()
             # each slice is summed by one host only, in host order
-            total = numerics.reduce_blocks_(torch.empty(sub, dtype=torch.float32), slices.view(N, sub), op, mean_of)
+            total = numerics.reduce_blocks_(self._scratch.get("compressed total", torch.float32, sub),
+                                            slices.view(N, sub), op, mean_of)
+            on_wire = self._scratch.get("compressed sum", wire, sub).copy_(total)
             gathered = slices  # consumed above: reuse it for the sums
-            self.inter.all_gather(call, gathered, total.to(wire))
+            self.inter.all_gather(call, gathered, on_wire)
             return gathered[:s]
 
         return finish
@@ -349,8 +398,8 @@ class HierarchicalTransport(Transport):
         # inside the host and put in rank order while the later ones cross.
         rows = output.view(self.world_size, m)
         started = []
-        for columns in self._pieces(m, input.element_size()):
-            across = torch.empty(N * (columns.stop - columns.start), dtype=input.dtype)  # (N, width)
+        for index, columns in enumerate(self._pieces(m, input.element_size())):
+            across = self._piece_buffer("across", index, input.dtype, N * (columns.stop - columns.start))  # (N, width)
             started.append((self.inter.all_gather_async(call, across, input[columns]),
                             lambda _, columns=columns, across=across:
                             self._gather_in_host_in_rank_order(call, rows[:, columns], across)))
@@ -373,7 +422,8 @@ class HierarchicalTransport(Transport):
         if grid is not None:  # the host's all_gather writes each row where it belongs
             self.intra.all_gather(call, grid, across.view(self.nodes, width))
             return
-        gathered = torch.empty(self.world_size * width, dtype=across.dtype)  # (L, N, width)
+        # (L, N, width), consumed here before the next piece's: one buffer serves all
+        gathered = self._scratch.get("gathered rows", across.dtype, self.world_size * width)
         self.intra.all_gather(call, gathered, across)
         self._put_in_rank_order(rows, gathered.view(self.world_size, width))
 
@@ -406,31 +456,33 @@ class HierarchicalTransport(Transport):
         # gloo's threads while this rank reduces the next piece inside the host. A piece is
         # hierarchical_chunk_bytes of the input: columns [start, start + width) of every block.
         started = []
-        for columns in self._pieces(m, input.element_size()):
+        for index, columns in enumerate(self._pieces(m, input.element_size())):
             width = columns.stop - columns.start
-            host_sums = torch.empty(N * width, dtype=input.dtype)
+            host_sums = self._piece_buffer("host sums", index, input.dtype, N * width)
             grouped = self._local_index_view(blocks[:, columns])  # the piece, in (L, N) order
             if grouped is not None:
                 self.intra.reduce_scatter(call, host_sums.view(N, width), grouped, in_host)
             else:
-                grouped = torch.empty(self.world_size, width, dtype=input.dtype)
+                # read by the reduction inside the host before it returns: one buffer serves all pieces
+                grouped = self._scratch.get("grouped", input.dtype, self.world_size * width)
+                grouped = grouped.view(self.world_size, width)
                 for position, rank in enumerate(self.by_local_index):
                     grouped[position].copy_(blocks[rank, columns])
                 self.intra.reduce_scatter(call, host_sums, grouped.view(-1), in_host)
             # host_sums: my index's blocks, summed over my host
-            sent = self._reduce_scatter_wire(host_sums, op)
+            sent = self._reduce_scatter_wire(host_sums, op, index)
             started.append((self.inter.reduce_scatter_async(call, output[columns], sent, op, mean_of=mean_of,
                                                             accumulate=_float32_for_16_bit(sent)), None))
         _end_in_start_order(started)
 
-    def _reduce_scatter_wire(self, host_sums: torch.Tensor, op: RedOp) -> torch.Tensor:
+    def _reduce_scatter_wire(self, host_sums: torch.Tensor, op: RedOp, index: int = 0) -> torch.Tensor:
         """What this rank sends between hosts in a reduce_scatter; the receiving rank reduces
         16-bit blocks in float32. A 16-bit input travels as it is (half the bytes of widening it
         first, and the same result: every 16-bit value is exact in float32). A float32 SUM
         travels in ``SMDDP_INTER_NODE_WIRE_DTYPE`` when that is set: each host's sum rounded once,
         as in the all_reduce's inter-host step."""
         if host_sums.dtype is torch.float32 and op is RedOp.SUM and self.wire in LOW_PRECISION:
-            return host_sums.to(self.wire)
+            return self._piece_buffer("reduce-scatter wire", index, self.wire, host_sums.numel()).copy_(host_sums)
         return host_sums
 
     # broadcast -----------------------------------------------------------------------------------
@@ -565,6 +617,7 @@ class HierarchicalTransport(Transport):
     def close(self) -> None:
         for t in (self.intra, self.inter, self.flat):
             t.close()
+        self._scratch.release()
 
 
 def _grid_strides(by_local_index: list[int], per_node: int, nodes: int) -> tuple[int, int, int] | None:
@@ -594,6 +647,18 @@ def _end_in_start_order(started: list[tuple[Callable[[], Any], Callable[[Any], N
             continue
         if failure is None and then is not None:
             then(result)
+    if failure is not None:
+        raise failure
+
+
+def _wait_for_all(waits: list[Callable[[], Any]]) -> None:
+    """Call every wait, also after one has raised, then raise the first failure."""
+    failure = None
+    for wait in waits:
+        try:
+            wait()
+        except Exception as exc:
+            failure = failure or exc
     if failure is not None:
         raise failure
 
