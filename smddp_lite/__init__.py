@@ -19,7 +19,8 @@ from .launch import init
 from .backend.flight_recorder import dump as dump_fr_trace, write as write_fr_trace
 
 __version__ = "0.1.0"
-__all__ = ["BACKEND_NAME", "compile", "dump_fr_trace", "init", "scale_lr", "write_fr_trace", "__version__"]
+__all__ = ["BACKEND_NAME", "SurvivingSync", "compile", "dump_fr_trace", "init", "scale_lr", "write_fr_trace",
+           "__version__"]
 
 _register()
 
@@ -32,11 +33,16 @@ def __getattr__(name: str):
 
         globals()["compile"] = compile
         return compile
+    if name == "SurvivingSync":
+        from .surviving import SurvivingSync
+
+        globals()["SurvivingSync"] = SurvivingSync
+        return SurvivingSync
     raise AttributeError(f"module 'smddp_lite' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), "compile"})
+    return sorted({*globals(), "compile", "SurvivingSync"})
 
 # One line on rank 0 says which transport runs (SMDDP users were bitten by silent fallbacks).
 # Applications that configure logging themselves keep full control of this logger.

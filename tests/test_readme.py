@@ -8,7 +8,7 @@ import pytest
 
 from . import harness
 
-DOCUMENTS = ["README.md", "docs/compiled-step.md"]
+DOCUMENTS = ["README.md", "docs/compiled-step.md", "docs/surviving.md"]
 
 
 def _python_examples() -> dict[str, str]:

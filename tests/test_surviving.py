@@ -1,0 +1,117 @@
+"""SurvivingSync: training goes on among the ranks left when one is lost, on every rank the same.
+
+Each job trains a small model for STEPS steps; one rank fails at FAULT_STEP (SIGKILLed while it
+syncs, os._exit, or SIGSTOPped past the group's timeout). The survivors must apply the same
+parameters after every step (their checksums, bit for bit), equal to a reference computed here
+in one process (the average over all ranks before the loss, over the survivors after it; the
+interrupted step may be either, as a survivor may have received the full average before the
+loss), shrink their world, say so through ``on_change``, resume within the bound after the
+fault, and leave no segment in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from . import harness
+from .surviving_programs import LR, batch, model
+
+STEPS, FAULT_STEP, GROUP_TIMEOUT_S = 14, 5, 4.0
+RESUME_BOUND_S = 5.0  # from the failure: the death, or the timeout a stopped rank runs past
+TRANSPORTS = {  # transport: (ranks, environment, layout)
+    "shm": (3, {"SMDDP_TRANSPORT": "shm"}, {}),
+    "gloo": (3, {"SMDDP_TRANSPORT": "gloo"}, {}),
+    "hierarchical": (4, {"SMDDP_ALGORITHM": "hierarchical"}, {"hosts_of": 2}),
+}
+
+
+def _reference(world: int, lost: int | None, full_average_at_fault: bool = False) -> list[float]:
+    """The checksums after each step of a job of ``world`` ranks that loses ``lost`` (or none) at
+    FAULT_STEP."""
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    sums = []
+    for step in range(STEPS):
+        ranks = range(world) if step < FAULT_STEP or (step == FAULT_STEP and full_average_at_fault) else [
+            r for r in range(world) if r != lost]
+        grads = []
+        for r in ranks:
+            net.zero_grad()
+            x, y = batch(r, step)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            grads.append([p.grad.clone() for p in net.parameters()])
+        for i, p in enumerate(net.parameters()):
+            total = grads[0][i].clone()
+            for g in grads[1:]:
+                total += g[i]
+            p.grad = total / len(grads)
+        optimizer.step()
+        sums.append(sum(float(p.detach().double().sum()) for p in net.parameters()))
+    return sums
+
+
+def _run(transport: str, faults: dict, tmp_path: Path, **kwargs) -> list[harness.RankResult]:
+    world, env, layout = TRANSPORTS[transport]
+    return harness.launch("tests.surviving_programs:train", world, env=env, timeout=90, **layout, steps=STEPS,
+                          faults=faults, marks=str(tmp_path), group_timeout_s=GROUP_TIMEOUT_S, **kwargs)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("kind", ["sigkill", "exit", "sigstop"])
+def test_survivors_go_on_together_after_a_rank_is_lost(transport, kind, tmp_path):
+    before = set(Path("/dev/shm").glob("smddp-*"))
+    world = TRANSPORTS[transport][0]
+    results = _run(transport, {"1": [kind, FAULT_STEP]}, tmp_path)
+    survivors = [r for r in results if r.rank != 1]
+    for r in survivors:
+        assert r.error is None and r.value is not None, (r.rank, r.error, r.output[-3000:])
+    values = [r.value for r in survivors]
+    checksums = values[0]["checksums"]
+    assert len(checksums) == STEPS
+    for v in values[1:]:
+        assert v["checksums"] == checksums, "survivors applied different parameters"
+    references = [_reference(world, 1, full) for full in (True, False)]
+    assert any(checksums == pytest.approx(ref, rel=1e-6) for ref in references), (checksums, references)
+    fault_at = float((tmp_path / "fault-1").read_text())
+    bound = RESUME_BOUND_S + (GROUP_TIMEOUT_S if kind == "sigstop" else 0)
+    members = [r for r in range(world) if r != 1]
+    for v in values:
+        assert v["worlds"] == [world] * FAULT_STEP + [world - 1] * (STEPS - FAULT_STEP)
+        (change,) = v["changes"]
+        assert (change["lost"], change["members"], change["world_size"]) == ([1], members, world - 1)
+        assert change["rank"] == members.index(v["first_rank"])
+        assert change["at"] - fault_at < bound, f"resumed {change['at'] - fault_at:.2f} s after the fault"
+    assert set(Path("/dev/shm").glob("smddp-*")) <= before, "a segment was left in /dev/shm"
+
+
+def test_a_rank_that_comes_back_after_being_declared_lost_is_refused(tmp_path):
+    results = _run("shm", {"1": ["sigstop_resume", FAULT_STEP]}, tmp_path)
+    back = results[1]
+    assert back.value is not None, (back.error, back.output[-3000:])
+    assert back.value["error"] == "RankDeclaredLostError", back.value
+    assert "declared this rank lost" in back.value["message"] and "cannot rejoin" in back.value["message"]
+    for r in (results[0], results[2]):
+        assert r.value is not None and len(r.value["checksums"]) == STEPS, (r.rank, r.error, r.output[-3000:])
+        assert r.value["checksums"] == results[0].value["checksums"]
+
+
+def test_too_few_ranks_left_stops_every_survivor_with_a_clear_error(tmp_path):
+    results = _run("shm", {"1": ["exit", FAULT_STEP]}, tmp_path, min_world_size=3)
+    for r in (results[0], results[2]):
+        assert r.value is not None, (r.rank, r.error, r.output[-3000:])
+        assert r.value["error"] == "TooFewRanksError", r.value
+        assert "fewer than min_world_size=3" in r.value["message"] and "rank 1" in r.value["message"]
+        assert len(r.value["checksums"]) == FAULT_STEP
+
+
+def test_without_a_loss_it_averages_as_ddp_does(tmp_path):
+    results = _run("shm", {}, tmp_path)
+    reference = _reference(3, None)
+    for r in results:
+        assert r.value is not None, (r.rank, r.error, r.output[-3000:])
+        assert r.value["changes"] == [] and r.value["worlds"] == [3] * STEPS
+        assert r.value["checksums"] == pytest.approx(reference, rel=1e-6)
