@@ -22,11 +22,20 @@ the old group has checked in or has a counter that stood still for ``stale_after
 to decide writes the members with a compare-and-set, and everyone adopts that list. A rank that
 checks in later (it was stopped, or its network came back) finds itself missing and raises
 ``RankDeclaredLostError``, never joining silently.
+
+Growing back: a replacement process (the same script, started by the user's launcher) makes its
+``SurvivingSync`` before any process group exists; finding the job running in the store, it
+takes a ticket and waits. The heartbeat threads read the ticket count, rank 0 adds it to the
+gradient average (one element more, at no cost of a call), so every member learns of the
+newcomer in the same step; at the start of the next ``sync()`` they admit it: the group is made
+again with the newcomer last, and rank 0 sends it the parameters, the optimizer's state and the
+step count. The newcomer then trains that step with the others.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -40,7 +49,6 @@ from .backend.errors import CollectiveMismatchError, SMDDPError
 
 _log = logging.getLogger("smddp_lite")
 
-_PREFIX = "smddp-surviving"
 _BEAT_S = 0.5
 
 
@@ -58,27 +66,29 @@ class Change:
     """What a loss changed, as ``on_change`` receives it."""
 
     generation: int  # 1 after the first loss, and so on
-    lost: tuple[int, ...]  # the ranks lost, numbered as in the job's first group
-    members: tuple[int, ...]  # the ranks left, numbered as in the job's first group
+    lost: tuple[int, ...]  # the ranks lost, by their ids (a first-group rank's id is its rank then)
+    joined: tuple[int, ...]  # the replacements admitted, by their ids (the first world size on)
+    members: tuple[int, ...]  # the ranks now in the group, by their ids, in rank order
     rank: int  # this rank in the new group
     world_size: int  # the new group's size
-    step: int  # the sync that was interrupted (0 is the first ``sync()``)
-    seconds: float  # from this rank's failed call to the new group's first call
+    step: int  # the sync at which the group changed (0 is the first ``sync()``)
+    seconds: float  # from this rank's failed call (or its admission's start) to the new group's first call
 
 
 class SurvivingSync:
-    """Average ``model``'s gradients over the live ranks, and go on when ranks are lost.
+    """Average ``model``'s gradients over the live ranks; go on when ranks are lost, and grow back
+    when replacements start.
 
     Call it where DDP would have synchronised: after ``backward()`` and before the optimizer's
-    step. The default process group must exist (``smddp_lite.init()``), and its store must outlive
-    every rank (torchrun's agent store does; a store hosted by rank 0 ends with rank 0)::
+    step. Make it before the training loop, in place of ``smddp_lite.init()`` (or after it): in a
+    replacement process it joins the running job instead. The rendezvous store must outlive every
+    rank (docs/surviving.md)::
 
         import smddp_lite
-        smddp_lite.init()
-        sync = smddp_lite.SurvivingSync(model, min_world_size=2,
+        sync = smddp_lite.SurvivingSync(model, optimizer, min_world_size=2,
                                         on_change=lambda c: sampler.set_world(c.rank, c.world_size))
-        for batch in loader:
-            model(batch).loss.backward()
+        for step in range(sync.step, steps):       # a replacement starts at the job's step
+            model(batch(step)).loss.backward()
             sync()                      # the average over the live ranks, in every param.grad
             optimizer.step()
             optimizer.zero_grad()
@@ -86,45 +96,65 @@ class SurvivingSync:
     Args:
         model: the module (or an iterable of parameters) whose ``.grad`` are averaged. Every rank
             must start from the same parameters, as with DDP.
+        optimizer: sent, with the parameters, to each replacement (its ``state_dict``). Without
+            it a replacement gets the parameters only.
         min_world_size: below this many live ranks, ``sync()`` raises ``TooFewRanksError`` on
             every survivor.
-        on_change: called on every survivor after each loss, with a ``Change`` (new rank, world
-            size, who was lost): the place to re-split a sampler's data.
+        on_change: called on every rank after each change (a loss, or replacements admitted),
+            with a ``Change``: the place to re-split a sampler's data.
         stale_after: how long a rank's heartbeat may stand still before the survivors count it
             lost (a rank that is alive but stopped, or cut off).
+        timeout: the process group's timeout where this makes the group (no group yet).
 
-    Other process groups made from the old default group are gone after a loss: make them again
-    in ``on_change``.
+    Other process groups made from the old default group are gone after a change: make them
+    again in ``on_change``.
     """
 
-    def __init__(self, model: torch.nn.Module | Iterable[torch.Tensor], *, min_world_size: int = 1,
+    def __init__(self, model: torch.nn.Module | Iterable[torch.Tensor],
+                 optimizer: torch.optim.Optimizer | None = None, *, min_world_size: int = 1,
                  on_change: Callable[[Change], None] | None = None,
-                 stale_after: timedelta = timedelta(seconds=2)) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("SurvivingSync needs the default process group: call smddp_lite.init() first")
+                 stale_after: timedelta = timedelta(seconds=2), timeout: timedelta | None = None) -> None:
         params = model.parameters() if isinstance(model, torch.nn.Module) else model
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("SurvivingSync found no parameter that requires grad in the model it was given")
         if min_world_size < 1:
             raise ValueError(f"min_world_size must be 1 or more, found {min_world_size}")
-        self.min_world_size, self.on_change = min_world_size, on_change
+        self.optimizer, self.min_world_size, self.on_change = optimizer, min_world_size, on_change
         self.stale_after_s = stale_after.total_seconds()
-        group = dist.group.WORLD
-        self._backend = dist.get_backend(group)
-        self._timeout = _group_timeout(group)
-        self._base_store = _root_store(dist.distributed_c10d._get_default_store())
-        self.members: tuple[int, ...] = tuple(range(dist.get_world_size()))
-        self.first_rank = dist.get_rank()  # this rank's number in the job's first group, for good
         self.generation = 0
         self.step = 0  # the next sync's number
+        self._tickets_admitted = 0
+        self._tickets_seen = 0  # as the group learnt it from rank 0, in the last average
         by_dtype: dict[torch.dtype, int] = {}
         for p in self.params:
             by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+        # the ticket count rides in the last element of a float32 or float64 average (exact up to
+        # 2**24), or in a float32 tensor of its own where the model has neither
+        self._carrier = next((d for d in (torch.float32, torch.float64) if d in by_dtype), None)
+        device = self.params[0].device
         # two averages per dtype: this step's, and the last one, which a lagging survivor may need
-        self._averages = [{dtype: torch.zeros(n, dtype=dtype, device=self.params[0].device)
+        self._averages = [{dtype: torch.zeros(n + (dtype == self._carrier), dtype=dtype, device=device)
                            for dtype, n in by_dtype.items()} for _ in range(2)]
+        self._control = None if self._carrier else torch.zeros(1, dtype=torch.float32, device=device)
+        store = None if dist.is_initialized() else _running_job_store()
+        if store is not None:
+            self._join(store, timeout)
+            return
+        if not dist.is_initialized():
+            from .launch import init
+
+            init(timeout=timeout)
+        group = dist.group.WORLD
+        self._backend = dist.get_backend(group)
+        self._timeout = _group_timeout(group)
+        self._base_store = _job_store(_root_store(dist.distributed_c10d._get_default_store()))
+        self.members: tuple[int, ...] = tuple(range(dist.get_world_size()))
+        self.first_rank = dist.get_rank()  # this rank's id for good
         self._heart = _Heartbeat(self._base_store, self.first_rank)
+        self._base_store.set("first_world", str(dist.get_world_size()))
+        self._base_store.set("how", f"{self._backend},{self._timeout}")
+        self._base_store.set("running", "1")
 
     @property
     def rank(self) -> int:
@@ -143,6 +173,8 @@ class SurvivingSync:
         """Average every parameter's gradient over the live ranks, in place in ``param.grad``."""
         while True:
             try:
+                if self._tickets_seen > self._tickets_admitted:
+                    self._admit()
                 self._average(self.step)
             except CollectiveMismatchError:
                 raise  # every rank is alive and called something else: a bug to fix, not a loss
@@ -167,9 +199,16 @@ class SurvivingSync:
             else:
                 view.copy_(p.grad.reshape(-1))
             offsets[p.dtype] = at + p.numel()
-        for flat in averages.values():
+        tickets = self._heart.tickets if dist.get_rank() == 0 else 0
+        control = averages[self._carrier][-1:] if self._carrier else self._control
+        control.fill_(tickets)
+        world = dist.get_world_size()
+        for dtype, flat in averages.items():
             dist.all_reduce(flat)
-            flat.div_(dist.get_world_size())
+            (flat[:-1] if dtype == self._carrier else flat).div_(world)
+        if self._control is not None:
+            dist.all_reduce(self._control)
+        self._tickets_seen = max(self._tickets_seen, int(control.item()))
 
     def _unpack(self, step: int) -> None:
         averages = self._averages[step % 2]
@@ -182,6 +221,79 @@ class SurvivingSync:
             else:
                 p.grad.copy_(average)
             offsets[p.dtype] = at + p.numel()
+
+    # growing back -------------------------------------------------------------------------------
+    def _join(self, store: dist.Store, timeout: timedelta | None) -> None:
+        """This process is a replacement: take a ticket, wait to be admitted, and take the job's
+        state from rank 0."""
+        started = time.monotonic()
+        self._base_store = store
+        ticket = store.add("tickets", 1)
+        self.first_rank = int(store.get("first_world")) + ticket - 1
+        backend, timeout_s = store.get("how").decode().split(",")
+        self._backend, self._timeout = backend, float(timeout_s)
+        self._heart = _Heartbeat(store, self.first_rank)
+        key = f"admit/{ticket}"
+        wait = (timeout or timedelta(seconds=max(self._timeout, 60))).total_seconds()
+        deadline = time.monotonic() + wait
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                self._heart.stop()
+                raise SMDDPError(
+                    f"SurvivingSync: this replacement (id {self.first_rank}) was not admitted within {wait:.0f} s. "
+                    "The job's ranks admit a replacement at their next sync(); is the job still training?")
+            time.sleep(0.02)
+        generation, members = store.get(key).decode().split(";")
+        self.generation, self.members = int(generation), _parse(members)
+        self._rebuild(self.members, self.generation)
+        self._receive_state()
+        change = Change(self.generation, (), (self.first_rank,), self.members, dist.get_rank(),
+                        dist.get_world_size(), self.step, time.monotonic() - started)
+        _log.warning("smddp: joined as rank %d of %d at sync %d, %.2f s after starting", change.rank,
+                     change.world_size, change.step, change.seconds)
+        if self.on_change is not None:
+            self.on_change(change)
+
+    def _admit(self) -> None:
+        """Every member, at the same sync: make the group again with the waiting replacements last,
+        and send them the job's state."""
+        started = time.monotonic()
+        first_world = int(self._base_store.get("first_world"))
+        tickets = range(self._tickets_admitted + 1, self._tickets_seen + 1)
+        joined = tuple(first_world + t - 1 for t in tickets)
+        members, generation = self.members + joined, self.generation + 1
+        if dist.get_rank() == 0:
+            for t in tickets:
+                self._base_store.set(f"admit/{t}", f"{generation};{','.join(map(str, members))}")
+        self._tickets_admitted = self._tickets_seen
+        self.members, self.generation = members, generation
+        self._rebuild(members, generation)
+        self._send_state()
+        change = Change(generation, (), joined, members, dist.get_rank(), dist.get_world_size(), self.step,
+                        time.monotonic() - started)
+        _log.warning("smddp: admitted %s at sync %d; %d ranks now (this one is rank %d), %.2f s",
+                     _said(joined), self.step, change.world_size, change.rank, change.seconds)
+        if self.on_change is not None:
+            self.on_change(change)
+
+    def _send_state(self) -> None:
+        state = [{"step": self.step, "tickets": self._tickets_admitted,
+                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}]
+        dist.broadcast_object_list(state, src=0)
+        with torch.no_grad():
+            for p in self.params:
+                dist.broadcast(p.data, src=0)
+
+    def _receive_state(self) -> None:
+        state = [None]
+        dist.broadcast_object_list(state, src=0)
+        with torch.no_grad():
+            for p in self.params:
+                dist.broadcast(p.data, src=0)
+        self.step = state[0]["step"]
+        self._tickets_admitted = self._tickets_seen = state[0]["tickets"]
+        if self.optimizer is not None and state[0]["optimizer"] is not None:
+            self.optimizer.load_state_dict(state[0]["optimizer"])
 
     # after a loss -------------------------------------------------------------------------------
     def _recover(self, failure: BaseException) -> bool:
@@ -215,7 +327,7 @@ class SurvivingSync:
                 failure = again
                 continue
             break
-        change = Change(generation, lost, members, dist.get_rank(), dist.get_world_size(), interrupted,
+        change = Change(generation, lost, (), members, dist.get_rank(), dist.get_world_size(), interrupted,
                         time.monotonic() - started)
         _log.warning("smddp: lost %s; going on with %d ranks (this one is now rank %d), %.2f s after the "
                      "failure at sync %d: %s", _said(lost), change.world_size, change.rank, change.seconds,
@@ -225,7 +337,7 @@ class SurvivingSync:
         return settled
 
     def _agree_on_members(self, old: tuple[int, ...], generation: int) -> tuple[int, ...]:
-        store, key = self._base_store, f"{_PREFIX}/{generation}"
+        store, key = self._base_store, f"{generation}"
         store.set(f"{key}/in/{self.first_rank}", str(self.step))
         decided_key = f"{key}/members"
         beats = {r: (self._heart.read(r), time.monotonic()) for r in old}
@@ -254,16 +366,18 @@ class SurvivingSync:
             dist.destroy_process_group()
         except Exception as exc:  # the old group met a dead peer: what it could not close is gone with it
             _log.debug("smddp: the old group's teardown after a loss raised %r", exc)
-        store = dist.PrefixStore(f"{_PREFIX}/{generation}/group/", self._base_store)
+        store = dist.PrefixStore(f"{generation}/group/", self._base_store)
         dist.init_process_group(self._backend, store=store, rank=members.index(self.first_rank),
                                 world_size=len(members), timeout=timedelta(seconds=self._timeout))
 
     def _settle_interrupted_step(self) -> bool:
         """Every survivor's step, gathered: those a step behind take the average a rank ahead
         still holds (True for them); everyone else redoes the sync of the step it is at."""
-        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-        dist.all_gather(steps, torch.tensor([self.step], dtype=torch.int64))
-        steps = [int(s) for s in steps]
+        rows = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, torch.tensor([self.step, self._tickets_seen], dtype=torch.int64))
+        steps = [int(row[0]) for row in rows]
+        # a rank a step ahead read the ticket count in the average the others missed
+        self._tickets_seen = max(int(row[1]) for row in rows)
         behind = min(steps)
         if max(steps) == behind:
             return False
@@ -282,23 +396,26 @@ class SurvivingSync:
 
 class _Heartbeat:
     """A counter per rank in the store, added to every half second by a thread with its own store
-    client: a rank whose counter stands still is dead, stopped or cut off."""
+    client: a rank whose counter stands still is dead, stopped or cut off. The thread also reads
+    how many replacements asked to join."""
 
-    def __init__(self, store: dist.Store, rank: int) -> None:
+    def __init__(self, store: dist.PrefixStore, rank: int) -> None:
         self.store, self.rank = store, rank
         self._stop = threading.Event()
-        self._beating_store = _own_client(store)
+        self._beating_store = _job_store(_own_client(store.underlying_store))
         self._beating_store.add(self._key(rank), 1)
+        self.tickets = 0  # replacements that asked to join so far, as last read
         self._thread = threading.Thread(target=self._beat, name="smddp-heartbeat", daemon=True)
         self._thread.start()
 
     def _key(self, rank: int) -> str:
-        return f"{_PREFIX}/beat/{rank}"
+        return f"beat/{rank}"
 
     def _beat(self) -> None:
         while not self._stop.wait(_BEAT_S):
             try:
                 self._beating_store.add(self._key(self.rank), 1)
+                self.tickets = self._beating_store.add("tickets", 0)
             except Exception as exc:  # the store is gone: the job is ending
                 _log.debug("smddp: the heartbeat stopped: %r", exc)
                 return
@@ -314,6 +431,24 @@ def _root_store(store: dist.Store) -> dist.Store:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return store
+
+
+def _running_job_store() -> dist.Store | None:
+    """The store of a job already training with SurvivingSync, where this process is a replacement;
+    None otherwise. Asked only where the store lives outside the ranks (torchrun's agent store, or
+    a store of its own: TORCHELASTIC_USE_AGENT_STORE=True), since a rank would wait here for a
+    store its rank 0 has not opened yet."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = _job_store(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30)))
+    return store if store.check(["running"]) else None
+
+
+def _job_store(root: dist.Store) -> dist.PrefixStore:
+    """SurvivingSync's keys, apart from the group's: per torchrun restart, since torchrun keeps its
+    store when it restarts every worker, which would otherwise find the last run's job running."""
+    return dist.PrefixStore(f"smddp-surviving/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", root)
 
 
 def _own_client(store: dist.Store) -> dist.Store:

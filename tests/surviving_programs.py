@@ -3,8 +3,11 @@ one of whose ranks fails at a chosen step."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -31,31 +34,35 @@ def model() -> torch.nn.Module:
     return torch.nn.Linear(FEATURES, 1)
 
 
-def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, min_world_size: int = 1) -> dict:
+def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, min_world_size: int = 1,
+          replace: bool = False, step_s: float = 0.0) -> dict:
     """Train ``steps`` steps; ``faults`` maps a rank (as a string) to (kind, step): "sigkill" (killed
     while it syncs), "exit" (os._exit before its sync), "sigstop" (stopped before its sync and
     killed at the end), "sigstop_resume" (stopped, and let go on once the others went on without
     it). Returns, per completed step, the parameters' checksum and the world size, and each
-    change; or the error that ended this rank's training, where SurvivingSync raised one of its own."""
+    change; or the error that ended this rank's training, where SurvivingSync raised one of its own.
+    With ``replace``, the new rank 0 starts a replacement process after each loss (as a user's
+    launcher would), which writes what ``replacement`` returns into ``marks``. ``step_s``: the
+    compute each step stands for (a sleep), so that a replacement has steps left to join."""
     smddp_lite.init(timeout=timedelta(seconds=group_timeout_s))
     rank = dist.get_rank()
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
-    changes = []
+    changes, replacements = [], []
 
     def changed(c) -> None:
-        changes.append({"generation": c.generation, "lost": list(c.lost), "members": list(c.members),
-                        "rank": c.rank, "world_size": c.world_size, "step": c.step, "seconds": c.seconds,
-                        "at": time.time()})
+        changes.append(_said(c))
+        if replace and c.lost and c.rank == 0:
+            replacements.append(_start_replacement(steps, marks, len(replacements), step_s))
         stopped = Path(marks, "stopped")
         if c.rank == 0 and "sigstop_resume" in [k for k, _ in faults.values()] and stopped.exists():
             os.kill(int(stopped.read_text()), signal.SIGCONT)
 
-    sync = SurvivingSync(net, min_world_size=min_world_size, on_change=changed)
+    sync = SurvivingSync(net, optimizer, min_world_size=min_world_size, on_change=changed)
     kind, fault_step = faults.get(str(rank), (None, -1))
     checksums, worlds = [], []
     try:
-        _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums, worlds)
+        _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums, worlds, step_s)
     except (RankDeclaredLostError, TooFewRanksError) as exc:
         sync.close()
         return {"error": type(exc).__name__, "message": str(exc), "checksums": checksums}
@@ -64,13 +71,53 @@ def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, mi
     if stopped.exists() and sync.rank == 0 and "sigstop" in [k for k, _ in faults.values()]:
         os.kill(int(stopped.read_text()), signal.SIGKILL)  # nothing may outlive the job
     dist.destroy_process_group()
+    for process in replacements:
+        process.wait(timeout=60)
     return {"checksums": checksums, "worlds": worlds, "changes": changes, "first_rank": rank}
 
 
-def _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums, worlds) -> None:
+def _said(c) -> dict:
+    return {"generation": c.generation, "lost": list(c.lost), "joined": list(c.joined), "members": list(c.members),
+            "rank": c.rank, "world_size": c.world_size, "step": c.step, "seconds": c.seconds, "at": time.time()}
+
+
+def _start_replacement(steps: int, marks: str, n: int, step_s: float) -> subprocess.Popen:
+    Path(marks, f"replacement-{n}-started").write_text(repr(time.time()))
+    code = f"from tests.surviving_programs import replacement; replacement({steps}, {marks!r}, {n}, {step_s})"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                            env=dict(os.environ, TEST_RANK=f"replacement-{n}"))
+
+
+def replacement(steps: int, marks: str, n: int, step_s: float = 0.0) -> None:
+    """A replacement process: the same training, joining the running job; writes its checksums and
+    changes to ``marks``/replacement-``n``.json."""
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    changes = []
+    sync = SurvivingSync(net, optimizer, on_change=lambda c: changes.append(_said(c)))
+    first_step, checksums, worlds, first_sync_at = sync.step, [], [], None
+    for step in range(sync.step, steps):
+        x, y = batch(sync.first_rank, step)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        time.sleep(step_s)
+        sync()
+        first_sync_at = first_sync_at or time.time()
+        optimizer.step()
+        optimizer.zero_grad()
+        checksums.append(sum(float(p.detach().double().sum()) for p in net.parameters()))
+        worlds.append(sync.world_size)
+    sync.close()
+    dist.destroy_process_group()
+    Path(marks, f"replacement-{n}.json").write_text(json.dumps(
+        {"first_step": first_step, "checksums": checksums, "worlds": worlds, "changes": changes,
+         "id": sync.first_rank, "first_sync_at": first_sync_at}))
+
+
+def _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums, worlds, step_s) -> None:
     for step in range(steps):
         x, y = batch(rank, step)
         torch.nn.functional.mse_loss(net(x), y).backward()
+        time.sleep(step_s)
         if step == fault_step:
             Path(marks, f"fault-{rank}").write_text(repr(time.time()))
             if kind == "exit":

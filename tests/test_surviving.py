@@ -11,7 +11,7 @@ fault, and leave no segment in /dev/shm.
 
 from __future__ import annotations
 
-import time
+import json
 from pathlib import Path
 
 import pytest
@@ -29,15 +29,18 @@ TRANSPORTS = {  # transport: (ranks, environment, layout)
 }
 
 
-def _reference(world: int, lost: int | None, full_average_at_fault: bool = False) -> list[float]:
+def _reference(world: int, lost: int | None, full_average_at_fault: bool = False, joined_at: int | None = None,
+               joiner: int | None = None, steps: int = STEPS) -> list[float]:
     """The checksums after each step of a job of ``world`` ranks that loses ``lost`` (or none) at
-    FAULT_STEP."""
+    FAULT_STEP and, from step ``joined_at``, trains with ``joiner`` too."""
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     sums = []
-    for step in range(STEPS):
-        ranks = range(world) if step < FAULT_STEP or (step == FAULT_STEP and full_average_at_fault) else [
+    for step in range(steps):
+        ranks = list(range(world)) if step < FAULT_STEP or (step == FAULT_STEP and full_average_at_fault) else [
             r for r in range(world) if r != lost]
+        if joined_at is not None and step >= joined_at:
+            ranks.append(joiner)
         grads = []
         for r in ranks:
             net.zero_grad()
@@ -54,9 +57,9 @@ def _reference(world: int, lost: int | None, full_average_at_fault: bool = False
     return sums
 
 
-def _run(transport: str, faults: dict, tmp_path: Path, **kwargs) -> list[harness.RankResult]:
+def _run(transport: str, faults: dict, tmp_path: Path, steps: int = STEPS, **kwargs) -> list[harness.RankResult]:
     world, env, layout = TRANSPORTS[transport]
-    return harness.launch("tests.surviving_programs:train", world, env=env, timeout=90, **layout, steps=STEPS,
+    return harness.launch("tests.surviving_programs:train", world, env=env, timeout=120, **layout, steps=steps,
                           faults=faults, marks=str(tmp_path), group_timeout_s=GROUP_TIMEOUT_S, **kwargs)
 
 
@@ -115,3 +118,38 @@ def test_without_a_loss_it_averages_as_ddp_does(tmp_path):
         assert r.value is not None, (r.rank, r.error, r.output[-3000:])
         assert r.value["changes"] == [] and r.value["worlds"] == [3] * STEPS
         assert r.value["checksums"] == pytest.approx(reference, rel=1e-6)
+
+
+REPLACEMENT_BOUND_S = 10.0  # from the replacement's start to its first sync done
+# the steps stand for compute (STEP_S each), so that the job still trains when the replacement,
+# which starts a Python process and imports torch, asks to join
+REPLACE_STEPS, STEP_S = 60, 0.25
+
+
+@pytest.mark.parametrize("transport", ["shm", "hierarchical"])
+def test_a_replacement_joins_and_the_group_grows_back(transport, tmp_path):
+    before = set(Path("/dev/shm").glob("smddp-*"))
+    world = TRANSPORTS[transport][0]
+    results = _run(transport, {"1": ["sigkill", FAULT_STEP]}, tmp_path, steps=REPLACE_STEPS, replace=True,
+                   step_s=STEP_S)
+    survivors = [r for r in results if r.rank != 1]
+    for r in survivors:
+        assert r.error is None and r.value is not None, (r.rank, r.error, r.output[-3000:])
+    joiner_file = tmp_path / "replacement-0.json"
+    assert joiner_file.exists(), [r.output[-3000:] for r in survivors]
+    joiner = json.loads(joiner_file.read_text())
+    assert joiner["id"] == world  # ids go on from the first world size
+    checksums = survivors[0].value["checksums"]
+    for r in survivors:
+        assert r.value["checksums"] == checksums, "survivors applied different parameters"
+        loss, join = r.value["changes"]
+        assert loss["lost"] == [1] and join["joined"] == [world] and join["world_size"] == world
+        assert r.value["worlds"][join["step"]:] == [world] * (REPLACE_STEPS - join["step"])
+    joined_at = joiner["first_step"]
+    assert joiner["checksums"] == checksums[joined_at:], "the replacement applied different parameters"
+    assert joiner["worlds"] == [world] * (REPLACE_STEPS - joined_at)
+    references = [_reference(world, 1, full, joined_at, world, REPLACE_STEPS) for full in (True, False)]
+    assert any(checksums == pytest.approx(ref, rel=1e-6) for ref in references), (checksums, references)
+    started = float((tmp_path / "replacement-0-started").read_text())
+    assert joiner["first_sync_at"] - started < REPLACEMENT_BOUND_S, joiner["first_sync_at"] - started
+    assert set(Path("/dev/shm").glob("smddp-*")) <= before, "a segment was left in /dev/shm"
