@@ -166,8 +166,11 @@ class ShmSegment:
             if self.control[peer, REJECTED] == call:  # it refused the call this rank is inside
                 self._fail(f"rank {self._shown(peer)} refused this call: {self._reason(peer)}", PeerRefusedError)
             if mine == row[1]:  # this rank refused the call the peer is inside, and came to the next
+                # the reason slot keeps the refusal's text: the peer, still inside that call, reads
+                # this rank's refusal there (and only then that it broke)
                 self._fail(f"rank {self._shown(peer)} is inside call #{row[1]}, which this rank refused "
-                           f"({self._reason(self.rank)}), so this rank's later calls cannot pair with its peers'")
+                           f"({self._reason(self.rank)}), so this rank's later calls cannot pair with its peers'",
+                           keep_reason=True)
 
     # control plane ---------------------------------------------------------------------------
     broken = False
@@ -206,13 +209,16 @@ class ShmSegment:
 
     def _check_peers(self, waiting_for: int, waited_s: float) -> None:
         for peer in range(self.world_size):
+            # a refusal of this call first: a refusing rank that goes on to its next call breaks
+            # the group there (this rank is still inside the refused call), and under load this
+            # rank may look only after both, when the refusal is still what happened
+            if self.control[peer, REJECTED] == self.current_call >= 0:
+                self._fail(f"rank {self._shown(peer)} refused this call: {self._reason(peer)}", PeerRefusedError)
             if self.control[peer, BROKEN]:
                 reason = self._reason(peer)
                 if reason.startswith(MISMATCH_SAID):  # the group's board found it: say what it said
                     self._fail_as_told(reason)
                 self._fail_telling_others(f"rank {self._shown(peer)} aborted: {reason}")
-            if self.control[peer, REJECTED] == self.current_call >= 0:
-                self._fail(f"rank {self._shown(peer)} refused this call: {self._reason(peer)}", PeerRefusedError)
         said = self.refused() if self.refused is not None else None
         if said is not None:  # a rank on another host, seen by the whole group (hierarchical)
             self._fail_as_told(said)
@@ -246,8 +252,8 @@ class ShmSegment:
         op = f"{self.op_shown}, call #{self.current_call}" if numbered and self.current_call >= 0 else self.op_shown
         return where(*(self.shown_as or (self.rank, self.world_size)), op)
 
-    def _fail(self, what: str, error: type[PeerFailureError] = PeerFailureError) -> None:
-        self.mark_broken(what)
+    def _fail(self, what: str, error: type[PeerFailureError] = PeerFailureError, keep_reason: bool = False) -> None:
+        self.mark_broken(None if keep_reason else what)
         raise error(
             f"{self._where()} {what}. This process group can no "
             "longer be used; restart the job (or destroy and re-create the group)."
@@ -265,10 +271,12 @@ class ShmSegment:
         self.mark_broken(said)
         raise explained(said, self._where(numbered=False))
 
-    def mark_broken(self, reason: str) -> None:
-        """Tell every peer, now and in later calls, that this rank has left the protocol."""
+    def mark_broken(self, reason: str | None) -> None:
+        """Tell every peer, now and in later calls, that this rank has left the protocol, and why
+        (None: the reason already written stays)."""
         self.broken = True
-        self._write_reason(reason)
+        if reason is not None:
+            self._write_reason(reason)
         self.control[self.rank, BROKEN] = 1
 
     def entering(self, call: int, op_shown: str) -> None:
