@@ -96,6 +96,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self.transport, reason = create_transport(store, rank, world_size, global_ranks, timeout, self.config)
         self.collectives = Collectives(self.transport, self.config.checks_collectives, self.config.scratch_max_bytes)
         self._comm = CommThread(f"smddp-comm-{group_name or 'default'}", inline=self.transport.capabilities.runs_inline)
+        self._comm.on_interrupt = self._interrupted
         self._calls = 0
         self._rank_and_size = (rank, world_size)  # for every call's Work (rank()/size() cross into C++)
         self._failure: str | None = None
@@ -196,8 +197,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 self._failure = f"{where(self.rank(), self.size(), op)} an earlier collective failed: {exc}"
                 raise
             except (KeyboardInterrupt, SystemExit) as exc:  # on a caller's thread that ran its call
-                self._failure = (f"{where(self.rank(), self.size(), op)} an earlier collective was interrupted "
-                                 f"({type(exc).__name__}) while its peers may still be in it")
+                self._interrupted(where(self.rank(), self.size(), op), exc)
                 raise
 
         return flight_recorder.profiled(op, tensors, outputs, lambda: self._comm.submit(run, self._work(op, outputs)))
@@ -240,6 +240,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         cannot_go_on = self.transport.reject(call, message)
         if cannot_go_on and self._failure is None:
             self._failure = f"{where(self.rank(), self.size(), op)} {cannot_go_on}"
+
+    def _interrupted(self, prefix: str, exc: BaseException) -> None:
+        """A call was interrupted (Ctrl-C) on the caller's thread: running it, or waiting for it."""
+        self._failure = self._failure or (f"{prefix} an earlier collective was interrupted ({type(exc).__name__}) "
+                                          "while its peers may still be in it")
 
     def _work(self, op: str, outputs: list[torch.Tensor]) -> SMDDPWork:
         return SMDDPWork(where(*self._rank_and_size, op), outputs, self.timeout)

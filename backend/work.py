@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from .errors import PeerFailureError, SMDDPError
+
+_SIGNAL_SLICE_S = 0.2  # the main thread's wait for a call, between looks for a Ctrl-C (Work.wait)
 
 
 class FutureOnRequest:
@@ -195,7 +198,13 @@ class SMDDPWork(KeptWhileCppMayAsk, dist._Work):
                 runner.run_if_next(self)
         if not self._finished:
             limit = timeout.total_seconds() or self._timeout_s
-            if not self._running.acquire(timeout=limit):
+            try:
+                acquired = self._acquire_running(limit)
+            except (KeyboardInterrupt, SystemExit) as exc:  # the call goes on without this caller
+                if runner is not None and runner.on_interrupt is not None:
+                    runner.on_interrupt(self._describe, exc)
+                raise
+            if not acquired:
                 raise PeerFailureError(
                     f"{self._describe} not complete after {limit:g} s (the process group timeout); a peer "
                     "is stuck, dead or calling a different collective"
@@ -204,6 +213,21 @@ class SMDDPWork(KeptWhileCppMayAsk, dist._Work):
         if self._error is not None:
             raise as_backend_error(self._error)
         return True
+
+    def _acquire_running(self, limit: float) -> bool:
+        """Wait up to ``limit`` seconds for the call to end. The main thread waits in slices: a
+        Ctrl-C that the kernel hands to another thread (the communication thread, gloo's) does not
+        wake a lock wait, and Python runs its handler, raising KeyboardInterrupt, only between
+        slices; the lock is free the moment the call ends, so a slice costs no time."""
+        if threading.current_thread() is not threading.main_thread():
+            return self._running.acquire(timeout=limit)
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            if self._running.acquire(timeout=min(max(left, 0.0), _SIGNAL_SLICE_S)):
+                return True
+            if left <= _SIGNAL_SLICE_S:
+                return False
 
     def synchronize(self) -> None:
         self.wait()
@@ -269,6 +293,10 @@ class CommThread:
 
     def __init__(self, name: str, inline: bool) -> None:
         self._inline = inline
+        # the group's word that a caller waiting for a call here was interrupted (Ctrl-C): its
+        # peers may still be in that call, so the group refuses later ones, as when the caller
+        # ran the call itself
+        self.on_interrupt: Callable[[str, BaseException], None] | None = None
         self._stopping = False
         self._pending: collections.deque[tuple[Callable[[], Any], SMDDPWork]] = collections.deque()
         self._lock = threading.Lock()  # guards _pending and _owner

@@ -1680,10 +1680,11 @@ def subgroup_made_again() -> dict:
     return {"sums": sums}
 
 
-def interrupted_call() -> dict:
+def interrupted_call(waits: bool = False) -> dict:
     """Rank 0 is sent SIGINT (Ctrl-C) 0.5 s into an all_reduce that rank 1 never joins, a call
-    rank 0 runs on its own thread (a plain wait): it must raise KeyboardInterrupt at once, as
-    before, not hang or turn it into a backend error, and refuse later calls."""
+    rank 0 runs on its own thread (a plain wait), or with ``waits`` one the communication thread
+    runs while rank 0 waits for its Work: it must raise KeyboardInterrupt at once, as before, not
+    hang or turn it into a backend error, and refuse later calls."""
     import signal
     import threading
 
@@ -1696,7 +1697,12 @@ def interrupted_call() -> dict:
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
     start = time.monotonic()
     try:
-        dist.all_reduce(torch.ones(1000))
+        if waits:
+            work = dist.all_reduce(torch.ones(1000), async_op=True)
+            time.sleep(0.1)  # the communication thread has taken the call by now
+            work.wait()
+        else:
+            dist.all_reduce(torch.ones(1000))
         raised = None
     except BaseException as exc:  # noqa: BLE001 (KeyboardInterrupt is what is looked for)
         raised = type(exc).__name__
