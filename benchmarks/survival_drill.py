@@ -1,0 +1,418 @@
+"""The lost-rank drill: SurvivingSync training on simulated hosts through failure after failure.
+
+A job of ``--hosts`` x ``--per-host`` ranks (network namespaces with rate-limited links, see
+benchmarks/multinode/cluster.py) trains the convergence benchmark's classifier (64 -> 256 -> 256
+-> 10, AdamW) with ``smddp_lite.SurvivingSync``, the rendezvous store in a process of its own on
+host 0. The driver injects failures at random steps, one at a time: a rank SIGKILLed, stopped
+(SIGSTOP) past the group's timeout, exiting (``os._exit``) at its next step, or the last host's
+link taken down (every rank on it cut off) for a few seconds. After each it waits for the
+survivors to go on, ends what is left of the lost ranks, and starts a replacement for each on
+the same host, as a launcher would; the next failure comes once the group is whole again and
+has trained ``--gap`` steps. Every rank logs each step's parameter checksum; the driver checks
+after the run that every rank that logged a step logged the same checksum, and reports how long
+the survivors took to go on, how long each replacement took from its start to its first step
+done, and whether any process or /dev/shm segment was left. Needs root::
+
+    python -m benchmarks.survival_drill --failures 100 --out benchmarks/results/<date>-survival-drill
+    python -m benchmarks.survival_drill --failures 0 --steps 2000 --seed 1   # a fault-free run
+
+With ``--steps`` the run ends at that step (failures stop once it is near); without, it ends
+after the last failure's replacement has trained ``--gap`` steps. The held-out loss at the end
+is what the convergence comparison reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STORE_PORT = 29500
+GROUP_TIMEOUT_S = 5.0
+KINDS = ("sigkill", "sigstop", "exit", "link")
+RESUME_BOUND_S = 5.0  # after the failure is seen: a death at once, a stop or a cut-off link at the timeout
+REPLACEMENT_BOUND_S = 10.0
+
+
+# the ranks ----------------------------------------------------------------------------------------
+def _task(torch):
+    gen = torch.Generator().manual_seed(1234)
+    teacher = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 1.5 / p.shape[-1] ** 0.5)
+        x = torch.randn(4096, 64, generator=gen)
+        return teacher, x, teacher(x).argmax(1)
+
+
+def worker(args) -> None:
+    """One rank (or a replacement): train until the driver's stop step, logging every step."""
+    import torch
+    import torch.distributed as dist
+
+    import smddp_lite
+
+    torch.set_num_threads(1)
+    logs = Path(args.dir)
+    teacher, held_x, held_y = _task(torch)
+    torch.manual_seed(args.seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    log = None
+
+    def write(record: dict) -> None:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+
+    pending = []
+    sync = smddp_lite.SurvivingSync(model, optimizer, timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+                                    on_change=lambda c: pending.append(c))
+    me = sync.first_rank
+    log = open(logs / f"rank-{me}.jsonl", "a")
+    (logs / f"pid-{me}").write_text(str(os.getpid()))
+    write({"event": "started", "id": me, "pid": os.getpid(), "at": time.time(), "step": sync.step})
+    stop_file, stop_at = logs / "stop-at", None
+    step = sync.step
+    while stop_at is None or step < stop_at:
+        for c in pending:
+            write({"event": "change", "id": me, "at": time.time(), "lost": list(c.lost), "joined": list(c.joined),
+                   "world": c.world_size, "step": c.step, "seconds": c.seconds})
+        pending.clear()
+        if (logs / f"exit-{me}").exists():
+            os._exit(1)
+        data = torch.Generator().manual_seed(args.seed * 1_000_003 + me * 100_003 + step)
+        x = torch.randn(64, 64, generator=data)
+        with torch.no_grad():
+            y = teacher(x).argmax(1)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep(args.step_s)
+        sync()
+        optimizer.step()
+        optimizer.zero_grad()
+        checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+        write({"step": sync.step - 1, "id": me, "world": sync.world_size, "checksum": checksum, "at": time.time()})
+        step = sync.step
+        if stop_at is None and stop_file.exists():
+            stop_at = int(stop_file.read_text())
+    with torch.no_grad():
+        loss = float(torch.nn.functional.cross_entropy(model(held_x), held_y))
+    write({"event": "done", "id": me, "step": step, "held_out_loss": loss, "at": time.time()})
+    sync.close()
+    dist.destroy_process_group()
+
+
+def agent(args) -> None:
+    """One per simulated host: starts that host's ranks, and replacements when the driver asks
+    (a file in the log folder), so that they share the host's /dev/shm; lists /dev/shm at the end."""
+    logs, host = Path(args.dir), args.host
+    children = []
+    env = dict(os.environ)
+
+    def start(rank_env: dict) -> None:
+        argv = [sys.executable, "-m", "benchmarks.survival_drill", "worker", "--dir", args.dir, "--seed",
+                str(args.seed), "--step-s", str(args.step_s)]
+        out = open(logs / f"out-host{host}-{len(children)}.txt", "w")
+        children.append(subprocess.Popen(argv, env={**env, **rank_env}, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
+
+    layout = _layout(args)
+    first = sum(layout[:host])
+    env["LOCAL_WORLD_SIZE"] = str(layout[host])
+    for rank in range(first, first + layout[host]):
+        start({"RANK": str(rank), "LOCAL_RANK": str(rank - first)})
+    served = set()
+    while not (logs / "agents-stop").exists():
+        for request in sorted(logs.glob(f"spawn-host{host}-*")):
+            if request.name not in served:
+                served.add(request.name)
+                start({"RANK": "-1", "LOCAL_RANK": "0"})
+        time.sleep(0.05)
+    for child in children:
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    (logs / f"shm-host{host}.json").write_text(json.dumps(sorted(os.listdir("/dev/shm"))))
+
+
+# the driver ---------------------------------------------------------------------------------------
+class Drill:
+    def __init__(self, cluster, logs: Path, layout: list[int], rng: random.Random, replace: bool = True) -> None:
+        self.cluster, self.logs, self.rng, self.replace = cluster, logs, rng, replace
+        self.world = sum(layout)
+        self.host_of = {r: h for h, n in enumerate(layout) for r in range(sum(layout[:h]), sum(layout[:h]) + n)}
+        self.spawned = 0
+        self.victims: set[int] = set()  # every rank the drill made fail
+        self.records: dict[int, list[dict]] = {}
+        self._read_at: dict[int, int] = {}
+
+    def read(self) -> None:
+        for path in self.logs.glob("rank-*.jsonl"):
+            rid = int(path.stem.split("-")[1])
+            with open(path) as f:
+                f.seek(self._read_at.get(rid, 0))
+                text = f.read()
+            complete = text[:text.rfind("\n") + 1]
+            self._read_at[rid] = self._read_at.get(rid, 0) + len(complete)
+            self.records.setdefault(rid, []).extend(json.loads(line) for line in complete.splitlines())
+
+    def steps_of(self, rid: int) -> list[dict]:
+        return [r for r in self.records.get(rid, []) if "checksum" in r]
+
+    def latest_step(self) -> int:
+        return max((s["step"] for rid in self.records for s in self.steps_of(rid)), default=-1)
+
+    def wait_for(self, what, timeout: float, why: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.read()
+            found = what()
+            if found:
+                return found
+            time.sleep(0.05)
+        raise RuntimeError(f"the drill waited {timeout:.0f} s for {why}")
+
+    def members(self) -> list[int]:
+        """The ids in the group, as the latest change said (or the first group)."""
+        changes = [r for rid in self.records for r in self.records[rid] if r.get("event") == "change"]
+        if not changes:
+            return list(range(self.world))
+        alive = set(range(self.world)) | {j for c in changes for j in c["joined"]}
+        return sorted(alive - {r for c in changes for r in c["lost"]})
+
+    def pid(self, rid: int) -> int:
+        return int((self.logs / f"pid-{rid}").read_text())
+
+    def spawn_replacement(self, host: int) -> float:
+        at = time.time()
+        (self.logs / f"spawn-host{host}-{self.spawned:04d}").write_text(repr(at))
+        self.spawned += 1
+        return at
+
+    def fail_once(self, kind: str) -> dict:
+        """Inject one failure; wait until the survivors go on and the replacements train."""
+        live = self.members()
+        before = self.latest_step()
+        if kind == "link":
+            host = self.cluster.hosts - 1  # never host 0, where the store is
+            victims = [r for r in live if self.host_of[r] == host]
+        else:
+            victims = [self.rng.choice(live)]
+        self.victims.update(victims)
+        fault_at = time.time()
+        port = f"{self.cluster.bridge}p{self.cluster.hosts - 1}"
+        if kind == "sigkill":
+            os.kill(self.pid(victims[0]), signal.SIGKILL)
+        elif kind == "sigstop":
+            os.kill(self.pid(victims[0]), signal.SIGSTOP)
+        elif kind == "exit":
+            (self.logs / f"exit-{victims[0]}").touch()
+        elif kind == "link":
+            subprocess.run(["ip", "link", "set", port, "down"], check=True)
+        survivors = [r for r in live if r not in victims]
+
+        def went_on():
+            changes = [c for r in survivors for c in self.records.get(r, [])
+                       if c.get("event") == "change" and c["at"] >= fault_at and set(victims) <= set(c["lost"])]
+            return changes if len({c["id"] for c in changes}) == len(survivors) else None
+
+        changes = self.wait_for(went_on, 60, f"the survivors of {kind} on {victims} to go on")
+        resumed = max(c["at"] for c in changes) - fault_at
+        for v in victims:  # what is left of them: stopped, or cut off and still waiting
+            try:
+                os.kill(self.pid(v), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if kind == "link":
+            subprocess.run(["ip", "link", "set", port, "up"], check=True)
+        if not self.replace:
+            return {"kind": kind, "lost": victims, "joined": [], "step": before, "resumed_s": resumed,
+                    "replacement_s": []}
+        started = {self.spawn_replacement(self.host_of[v]): v for v in victims}
+        first_new = max(self.host_of) + 1
+
+        def grown_back():
+            joined = [rid for rid in self.records if rid >= first_new and self.steps_of(rid)]
+            return joined if len(joined) == len(victims) else None
+
+        joined = self.wait_for(grown_back, 60, f"replacements for {victims} to train")
+        spawn_times = sorted(started)
+        training = []
+        for rid, spawned_at in zip(sorted(joined), spawn_times):
+            self.host_of[rid] = self.host_of[started[spawned_at]]
+            training.append(self.steps_of(rid)[0]["at"] - spawned_at)
+        return {"kind": kind, "lost": victims, "joined": sorted(joined), "step": before,
+                "resumed_s": resumed, "replacement_s": training}
+
+    def check(self) -> dict:
+        self.read()
+        by_step: dict[int, set] = {}
+        world_at: dict[int, int] = {}
+        for rid in self.records:
+            for s in self.steps_of(rid):
+                by_step.setdefault(s["step"], set()).add(s["checksum"])
+                world_at[s["step"]] = s["world"]
+        differing = sorted(step for step, sums in by_step.items() if len(sums) > 1)
+        done = [r for rid in self.records for r in self.records[rid] if r.get("event") == "done"]
+        lost = {r for rid in self.records for c in self.records[rid] if c.get("event") == "change" for r in c["lost"]}
+        return {"steps": len(by_step), "steps_with_differing_parameters": differing[:20],
+                "unplanned_losses": sorted(lost - self.victims),
+                # the batches the steps averaged, against a run that never shrank
+                "rank_steps": sum(world_at.values()), "rank_steps_whole": self.world * len(world_at),
+                "held_out_loss": sorted({round(d["held_out_loss"], 9) for d in done}),
+                "ranks_done": len(done)}
+
+
+def drive(args) -> dict:
+    from benchmarks.multinode.cluster import SimCluster
+
+    logs = Path(args.dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    layout = _layout(args)
+    world = sum(layout)
+    env = {"WORLD_SIZE": str(world), "MASTER_ADDR": "sim-host-0", "MASTER_PORT": str(STORE_PORT),
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1",
+           "GLOO_SOCKET_IFNAME": "eth0", "PYTHONPATH": ROOT, "SMDDP_ALGORITHM": "auto"}
+    results = {"failures": [], "command": " ".join(sys.argv)}
+    with SimCluster(len(layout), rate=args.rate) as cluster:
+        server = f"import time, torch.distributed as d; s = d.TCPStore('0.0.0.0', {STORE_PORT}, is_master=True, " \
+                 "wait_for_workers=False); time.sleep(1e9)"
+        store_server = cluster.spawn(0, [sys.executable, "-c", server], env=env)
+        agents = [cluster.spawn(h, [sys.executable, "-m", "benchmarks.survival_drill", "agent", "--dir", str(logs),
+                                    "--host", str(h), "--layout", ",".join(map(str, layout)), "--seed",
+                                    str(args.seed), "--step-s", str(args.step_s)], env=env) for h in range(len(layout))]
+        drill = Drill(cluster, logs, layout, rng, replace=not args.no_replace)
+        started = time.time()
+        drill.wait_for(lambda: all(drill.steps_of(r) for r in range(world)), 120, "the job to start")
+        try:
+            for n in range(args.failures):
+                if args.steps and drill.latest_step() > args.steps - 3 * args.gap:
+                    break
+                target = drill.latest_step() + args.gap
+                drill.wait_for(lambda: drill.latest_step() >= target, 120, f"{args.gap} steps before failure {n}")
+                kinds = args.kinds.split(",")
+                kind = kinds[n % len(kinds)] if args.cycle else rng.choice(kinds)
+                outcome = drill.fail_once(kind)
+                results["failures"].append(outcome)
+                print(f"failure {n + 1}: {outcome['kind']:<8} lost {outcome['lost']} at step {outcome['step']}, "
+                      f"went on {outcome['resumed_s']:.2f} s after, replacement(s) {outcome['joined']} training "
+                      f"{', '.join(f'{s:.2f}' for s in outcome['replacement_s'])} s after their start", flush=True)
+        finally:
+            stop_at = max(args.steps or 0, drill.latest_step() + args.gap)
+            (logs / "stop-at").write_text(str(stop_at))
+            try:
+                drill.wait_for(lambda: len([r for rid in drill.records for r in drill.records[rid]
+                                            if r.get("event") == "done"]) == len(drill.members()) or None,
+                               max(300, (stop_at - drill.latest_step()) * (args.step_s + 0.05) * 3), "the end")
+            finally:
+                (logs / "agents-stop").touch()
+                for a in agents:
+                    try:
+                        a.wait(timeout=90)
+                    except subprocess.TimeoutExpired:
+                        pass
+                os.killpg(store_server.pid, signal.SIGKILL)  # the job is over: what else is left?
+                store_server.wait(timeout=10)
+                results["processes_left"] = _left_in(cluster)
+        results["seconds"] = time.time() - started
+    results["shm_left"] = {h: json.loads((logs / f"shm-host{h}.json").read_text()) for h in range(len(layout))
+                           if (logs / f"shm-host{h}.json").exists()}
+    results.update(drill.check())
+    if results["unplanned_losses"]:  # what the lost ranks printed, before the log folder goes
+        results["outputs"] = {p.name: p.read_text()[-4000:] for p in sorted(logs.glob("out-host*.txt"))}
+    if args.window:
+        first, last = map(int, args.window.split(","))
+        results["steps_per_s"] = _steps_per_s(drill, first, last)
+    resumed = [f["resumed_s"] for f in results["failures"]]
+    replaced = [s for f in results["failures"] for s in f["replacement_s"]]
+    results["summary"] = {
+        "failures": len(results["failures"]), "by_kind": {k: sum(f["kind"] == k for f in results["failures"])
+                                                          for k in KINDS},
+        "resumed_s": _spread(resumed), "replacement_s": _spread(replaced),
+        "resumed_within_bound": sum(r <= RESUME_BOUND_S + (GROUP_TIMEOUT_S if f["kind"] in ("sigstop", "link") else 0)
+                                    for r, f in zip(resumed, results["failures"])),
+        "replacements_within_bound": sum(s <= REPLACEMENT_BOUND_S for s in replaced), "replacements": len(replaced)}
+    return results
+
+
+def _left_in(cluster, settle_s: float = 5.0) -> dict[int, list[str]]:
+    """The processes still in each host's namespace, once those that are ending (the store
+    server, killed just before) have had ``settle_s`` to go."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        left = {h: subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+                for h, ns in enumerate(cluster.ns)}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def _layout(args) -> list[int]:
+    return [int(n) for n in args.layout.split(",")] if args.layout else [args.per_host] * args.hosts
+
+
+def _steps_per_s(drill: Drill, first: int, last: int) -> float:
+    """(last - first) / the median over ranks of the time between their logs of those steps."""
+    spans = []
+    for rid in drill.records:
+        at = {s["step"]: s["at"] for s in drill.steps_of(rid)}
+        if first in at and last in at:
+            spans.append(at[last] - at[first])
+    return (last - first) / statistics.median(spans) if spans else float("nan")
+
+
+def _spread(values: list[float]) -> dict:
+    if not values:
+        return {}
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("role", nargs="?", default="drive", choices=("drive", "agent", "worker"))
+    parser.add_argument("--dir", help="the log folder (drive: a fresh temporary one unless given)")
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--per-host", type=int, default=2)
+    parser.add_argument("--layout", help="ranks per host, e.g. 2,1 (instead of --hosts x --per-host)")
+    parser.add_argument("--host", type=int, default=0)
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--failures", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=0, help="end at this step (0: after the last failure)")
+    parser.add_argument("--gap", type=int, default=10, help="steps the whole group trains between failures")
+    parser.add_argument("--step-s", type=float, default=0.05, help="the compute a step stands for (a sleep)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cycle", action="store_true", help="the kinds in turn instead of at random")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="the failures to draw from")
+    parser.add_argument("--no-replace", action="store_true", help="no replacements: the group only shrinks")
+    parser.add_argument("--window", help="FROM,TO: report the steps per second between these steps")
+    parser.add_argument("--out", help="write OUT.json")
+    args = parser.parse_args()
+    if args.role == "worker":
+        return worker(args)
+    if args.role == "agent":
+        return agent(args)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="smddp-drill-") as tmp:
+        args.dir = args.dir or tmp
+        results = drive(args)
+    print(json.dumps(results["summary"], indent=1))
+    print(json.dumps({k: results.get(k) for k in ("steps", "steps_with_differing_parameters", "unplanned_losses",
+                                                  "held_out_loss",
+                                                  "processes_left", "shm_left", "seconds", "steps_per_s")}))
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

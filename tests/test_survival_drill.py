@@ -1,0 +1,33 @@
+"""The lost-rank drill at a small size, in the multi-host lab: 2 simulated hosts x 2 ranks at
+1 Gbit/s, one failure of each kind (a rank SIGKILLed, stopped, exiting; the second host's link
+down), each followed by replacements (benchmarks/survival_drill.py, whose full run makes 100)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from . import harness
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
+def test_the_lab_drill_trains_through_each_kind_of_failure(tmp_path):
+    out = tmp_path / "drill"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.survival_drill", "--failures", "4", "--cycle", "--gap",
+                          "5", "--out", str(out)], cwd=harness.ROOT, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads((tmp_path / "drill.json").read_text())
+    summary = results["summary"]
+    assert summary["by_kind"] == {"sigkill": 1, "sigstop": 1, "exit": 1, "link": 1}, summary
+    # after every step, every rank that took it holds the same parameters
+    assert results["steps_with_differing_parameters"] == [], results["steps_with_differing_parameters"]
+    assert summary["resumed_within_bound"] == 4, results["failures"]
+    assert summary["replacements"] == 5 and summary["replacements_within_bound"] == 5, results["failures"]
+    assert results["unplanned_losses"] == [], results.get("outputs")
+    assert results["ranks_done"] == 4 and len(results["held_out_loss"]) == 1, results
+    assert all(not pids for pids in results["processes_left"].values()), results["processes_left"]
+    assert all(not names for names in results["shm_left"].values()), results["shm_left"]
