@@ -35,6 +35,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from benchmarks.convergence import _teacher_and_held_out as teacher_and_held_out  # the same task
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORE_PORT = 29500
 GROUP_TIMEOUT_S = 5.0
@@ -44,16 +46,6 @@ REPLACEMENT_BOUND_S = 10.0
 
 
 # the ranks ----------------------------------------------------------------------------------------
-def _task(torch):
-    gen = torch.Generator().manual_seed(1234)
-    teacher = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
-    with torch.no_grad():
-        for p in teacher.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 1.5 / p.shape[-1] ** 0.5)
-        x = torch.randn(4096, 64, generator=gen)
-        return teacher, x, teacher(x).argmax(1)
-
-
 def worker(args) -> None:
     """One rank (or a replacement): train until the driver's stop step, logging every step."""
     import torch
@@ -63,7 +55,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     logs = Path(args.dir)
-    teacher, held_x, held_y = _task(torch)
+    teacher, held_x, held_y = teacher_and_held_out(torch)
     torch.manual_seed(args.seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
                                 torch.nn.ReLU(), torch.nn.Linear(256, 10))
