@@ -1688,6 +1688,9 @@ def interrupted_call(waits: bool = False) -> dict:
     import signal
     import threading
 
+    # Python's own handler, as an interactive run has it: a job that a script started in the
+    # background (`cmd &`, no job control) inherits SIGINT ignored, and Python then installs none
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     smddp_lite.init(timeout=timedelta(seconds=30))
     dist.barrier()
     store = dist.distributed_c10d._get_default_store()
