@@ -24,6 +24,7 @@ is what the convergence comparison reads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -220,10 +221,8 @@ class Drill:
         changes = self.wait_for(went_on, 60, f"the survivors of {kind} on {victims} to go on")
         resumed = max(c["at"] for c in changes) - fault_at
         for v in victims:  # what is left of them: stopped, or cut off and still waiting
-            try:
+            with contextlib.suppress(ProcessLookupError):  # already gone (killed, or exited)
                 os.kill(self.pid(v), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if kind == "link":
             subprocess.run(["ip", "link", "set", port, "up"], check=True)
         if not self.replace:
@@ -308,11 +307,13 @@ def drive(args) -> dict:
                                max(300, (stop_at - drill.latest_step()) * (args.step_s + 0.05) * 3), "the end")
             finally:
                 (logs / "agents-stop").touch()
-                for a in agents:
+                hung = []
+                for host, a in enumerate(agents):
                     try:
                         a.wait(timeout=90)
-                    except subprocess.TimeoutExpired:
-                        pass
+                    except subprocess.TimeoutExpired:  # reported, and ended with the cluster
+                        hung.append(host)
+                results["agents_hung"] = hung
                 os.killpg(store_server.pid, signal.SIGKILL)  # the job is over: what else is left?
                 store_server.wait(timeout=10)
                 results["processes_left"] = _left_in(cluster)

@@ -29,5 +29,5 @@ def test_the_lab_drill_trains_through_each_kind_of_failure(tmp_path):
     assert summary["replacements"] == 5 and summary["replacements_within_bound"] == 5, results["failures"]
     assert results["unplanned_losses"] == [], results.get("outputs")
     assert results["ranks_done"] == 4 and len(results["held_out_loss"]) == 1, results
-    assert all(not pids for pids in results["processes_left"].values()), results["processes_left"]
+    assert results["agents_hung"] == [] and all(not pids for pids in results["processes_left"].values()), results
     assert all(not names for names in results["shm_left"].values()), results["shm_left"]
