@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 import smddp_lite
 
+from .rank_helpers import error_of, still_works
+
 
 def _device() -> torch.device:
     torch.cuda.set_device(0)
@@ -340,3 +342,38 @@ def fast_calls() -> dict:
     out["calls_numbered"] = group._calls
     dist.destroy_process_group()
     return out
+
+
+def cuda_paths_compared(without_nccl: list[int] | None = None, setting: str = "auto") -> dict:
+    """How the ranks of a group agree on the way CUDA tensors move, without a GPU.
+
+    With ``without_nccl`` (rank numbers): ``agree_on_path`` itself, the listed ranks saying NCCL
+    did not load and the others that it did, through the job's real store. Without it: the
+    group's ``CudaPaths`` made on every rank under ``setting``, where cupy is missing on every
+    rank (CI), so every rank has the same answer."""
+    import warnings
+
+    from smddp_lite.backend.cuda import CudaPaths, agree_on_path
+    from smddp_lite.config import backend_config
+
+    smddp_lite.init(timeout=timedelta(seconds=20))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.PrefixStore("cuda-paths-test", dist.distributed_c10d._get_default_store())
+    if without_nccl is not None:
+        why = "cupy is not installed (test)" if rank in without_nccl else None
+        report = error_of(lambda: agree_on_path(store, rank, world, timedelta(seconds=20), setting, why))
+        # the group's next CUDA call makes its CudaPaths again: it must be refused again, not pass
+        # on the counts the first comparison left in the store (at 2 ranks 1 + 1 NCCL = 2)
+        report["again"] = error_of(lambda: agree_on_path(store, rank, world, timedelta(seconds=20), setting, why))
+    else:
+        made = {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = error_of(lambda: made.update(paths=CudaPaths(store, rank, world, timedelta(seconds=20),
+                                                                   backend_config({"SMDDP_CUDA_TRANSPORT": setting}),
+                                                                   lambda reason: None)))
+        report["staged"] = "paths" in made and made["paths"].nccl is None
+        report["warnings"] = [str(w.message) for w in caught]
+    report["usable_after"] = still_works()
+    dist.destroy_process_group()
+    return report

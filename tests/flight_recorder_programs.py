@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import smddp_lite
 
-from .programs import _error_of
+from .rank_helpers import error_of
 
 PREFIX = "smddp_fr_rank_"
 
@@ -46,13 +46,13 @@ def drill(case: str, culprit: int, dump_dir: str, timeout_s: float = 3.0) -> dic
         mine = Path(dump_dir) / f"{PREFIX}{rank}"
         report = {"rank": rank}
         if rank != culprit:
-            report["error"] = _error_of(lambda: dist.all_reduce(t))
+            report["error"] = error_of(lambda: dist.all_reduce(t))
         elif case == "skip":
             pass  # in its own code: the watcher dumps once a peer's call failed
         elif case == "op":
-            report["error"] = _error_of(lambda: dist.broadcast(t, 0))
+            report["error"] = error_of(lambda: dist.broadcast(t, 0))
         elif case == "size":
-            report["error"] = _error_of(lambda: dist.all_reduce(torch.ones(9)))
+            report["error"] = error_of(lambda: dist.all_reduce(torch.ones(9)))
         elif case == "stop":
             # stopped until every peer has dumped, then resumed (a rank that was slow): a shell
             # resumes it, since nothing in a stopped process runs

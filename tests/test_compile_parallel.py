@@ -15,7 +15,8 @@ from . import harness
 def test_compiled_matches_ddp(world, wire, clip, on_completion):
     """``on_completion``: each bucket's copy back from the wire and norm run as its collective's
     future's callback (CUDA's way, forced on CPU tensors), not after backward."""
-    results = harness.values(harness.launch("tests.programs:compiled_parity", world, wire_dtype=wire, clip=clip,
+    results = harness.values(harness.launch("tests.compile_parallel_programs:compiled_parity", world, wire_dtype=wire,
+                                            clip=clip,
                                             finish_on_completion=on_completion))
     for rank, r in enumerate(results):
         assert r["buckets"] > 1 and r["arenas"] == 1, r
@@ -40,9 +41,10 @@ def test_a_16_bit_wire_matches_ddp_on_transports_that_sum_in_float32_themselves_
     args = dict(wire_dtype="bfloat16", clip=0.5, width=2048, bucket_cap_mb=0.25)
     if transport == "mpi":
         harness.skip_without_mpiexec()
-        results = harness.values(harness.launch_mpi("tests.programs:compiled_parity", 2, env=env, **args))
+        results = harness.values(harness.launch_mpi("tests.compile_parallel_programs:compiled_parity", 2, env=env,
+                                                    **args))
     else:
-        results = harness.values(harness.launch("tests.programs:compiled_parity", 2, env=env, **args))
+        results = harness.values(harness.launch("tests.compile_parallel_programs:compiled_parity", 2, env=env, **args))
     for rank, r in enumerate(results):
         assert r["buckets"] > 1, r
         assert r["max_diff"] < 10 * 3e-3, (rank, r)  # as test_compiled_matches_ddp's bfloat16 wire
@@ -54,9 +56,10 @@ def test_large_16_bit_sums_in_rounds_of_pieces_are_exact(transport, world):
     env = {"SMDDP_TRANSPORT": transport}
     if transport == "mpi":
         harness.skip_without_mpiexec()
-        results = harness.values(harness.launch_mpi("tests.programs:large_16_bit_sums", world, env=env))
+        results = harness.values(harness.launch_mpi("tests.compile_parallel_programs:large_16_bit_sums", world,
+                                                    env=env))
     else:
-        results = harness.values(harness.launch("tests.programs:large_16_bit_sums", world, env=env))
+        results = harness.values(harness.launch("tests.compile_parallel_programs:large_16_bit_sums", world, env=env))
     assert results == [{"wrong": []}] * world, results
 
 
@@ -71,13 +74,12 @@ def test_a_16_bit_wire_sends_half_the_bytes_of_float32(transport, wire):
     int64 all_gather per call is left out (SMDDP_CHECK_COLLECTIVES=0): it is the same for both
     wires, and this counts the gradients' bytes."""
     env = {"SMDDP_TRANSPORT": transport, "SMDDP_CHECK_COLLECTIVES": "0"}
+    launch = harness.launch
     if transport == "mpi":
         harness.skip_without_mpiexec()
-        run = lambda w: harness.values(harness.launch_mpi("tests.programs:compiled_wire_bytes", 2, env=env,  # noqa: E731
-                                                          wire_dtype=w))
-    else:
-        run = lambda w: harness.values(harness.launch("tests.programs:compiled_wire_bytes", 2, env=env,  # noqa: E731
-                                                      wire_dtype=w))
+        launch = harness.launch_mpi
+    program = "tests.compile_parallel_programs:compiled_wire_bytes"
+    run = lambda w: harness.values(launch(program, 2, env=env, wire_dtype=w))  # noqa: E731
     wide, narrow = run(None)[0], run(wire)[0]
     grads = wide["gradient_bytes"]
     assert {dtype for _, dtype, _ in wide["handed"]} == {"float32"}, wide["handed"]
@@ -92,19 +94,20 @@ def test_a_16_bit_wire_sends_half_the_bytes_of_float32(transport, wire):
 
 
 def test_compile_starts_every_rank_from_rank_0s_weights_frozen_ones_included():
-    results = harness.values(harness.launch("tests.programs:compiled_frozen_start", 2))
+    results = harness.values(harness.launch("tests.compile_parallel_programs:compiled_frozen_start", 2))
     assert results[1] == results[0]
 
 
 def test_every_rank_ends_with_rank_0s_batchnorm_statistics_as_under_ddp():
     """DDP broadcasts rank 0's buffers before each training forward; compile did so only once, so
     each rank's running statistics drifted with its own batches and evaluation differed by rank."""
-    ranks = harness.values(harness.launch("tests.programs:compiled_batchnorm_buffers", 2))
+    ranks = harness.values(harness.launch("tests.compile_parallel_programs:compiled_batchnorm_buffers", 2))
     for rank, r in enumerate(ranks):
         assert r["compiled"]["buffers"] == r["eager"]["buffers"] == ranks[0]["eager"]["buffers"], rank
         torch.testing.assert_close(torch.tensor(r["compiled"]["eval"]), torch.tensor(ranks[0]["eager"]["eval"]))
     # off, as DDP's broadcast_buffers=False: each rank keeps its own statistics
-    own = harness.values(harness.launch("tests.programs:compiled_batchnorm_buffers", 2, broadcast_buffers=False))
+    own = harness.values(harness.launch("tests.compile_parallel_programs:compiled_batchnorm_buffers", 2,
+                                        broadcast_buffers=False))
     assert own[0]["compiled"]["buffers"] != own[1]["compiled"]["buffers"]
 
 
@@ -130,7 +133,8 @@ COMPILED_APART = {
 
 @pytest.mark.parametrize("kind", sorted(COMPILED_APART))
 def test_ranks_compiling_different_models_or_options_are_told_on_every_rank(kind):
-    ranks = harness.values(harness.launch("tests.programs:compiled_apart", 2, env={"SMDDP_TRANSPORT": "gloo"},
+    ranks = harness.values(harness.launch("tests.compile_parallel_programs:compiled_apart", 2,
+                                          env={"SMDDP_TRANSPORT": "gloo"},
                                           kind=kind))
     for rank, report in enumerate(ranks):
         error = report["compile"]
@@ -141,7 +145,7 @@ def test_ranks_compiling_different_models_or_options_are_told_on_every_rank(kind
 
 
 def test_ranks_compiling_the_same_model_and_options_train():
-    ranks = harness.values(harness.launch("tests.programs:compiled_apart", 2, kind="same"))
+    ranks = harness.values(harness.launch("tests.compile_parallel_programs:compiled_apart", 2, kind="same"))
     for report in ranks:
         assert report["compile"]["type"] is None and report["train"]["type"] is None, report
         assert report["params"] == ranks[0]["params"], ranks

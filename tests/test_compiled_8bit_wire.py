@@ -292,8 +292,10 @@ def test_an_8_bit_wire_sends_about_a_quarter_of_float32s_bytes():
     """Counted on the loopback under gloo, the per-call check left out (SMDDP_CHECK_COLLECTIVES=0):
     1 byte per element and 4 per block of 256, where float32 sends 4 per element."""
     env = {"SMDDP_TRANSPORT": "gloo", "SMDDP_CHECK_COLLECTIVES": "0"}
-    wide = harness.values(harness.launch("tests.programs:compiled_wire_bytes", 2, env=env, wire_dtype=None))[0]
-    narrow = harness.values(harness.launch("tests.programs:compiled_wire_bytes", 2, env=env, wire_dtype="int8"))[0]
+    wide = harness.values(harness.launch("tests.compile_parallel_programs:compiled_wire_bytes", 2, env=env,
+                                         wire_dtype=None))[0]
+    narrow = harness.values(harness.launch("tests.compile_parallel_programs:compiled_wire_bytes", 2, env=env,
+                                           wire_dtype="int8"))[0]
     ratio = narrow["loopback_per_step"] / wide["loopback_per_step"]
     assert 0.22 <= ratio <= 0.28, (ratio, wide, narrow)
 

@@ -65,6 +65,6 @@ def test_groups_keep_no_working_buffer_above_scratch_max_bytes(limit, keeps):
     """A group's float32 copies of a 4 MiB bfloat16 message (8 MiB each) stay with the group by
     default, and are not kept when SMDDP_SCRATCH_MAX_BYTES is below their size."""
     env = {"SMDDP_TRANSPORT": "gloo", **({"SMDDP_SCRATCH_MAX_BYTES": limit} if limit else {})}
-    for report in harness.values(harness.launch("tests.programs:scratch_kept", 2, env=env)):
+    for report in harness.values(harness.launch("tests.config_programs:scratch_kept", 2, env=env)):
         assert report["right"], report
         assert (report["kept"] >= 8 << 20) if keeps else (report["kept"] == 0), report

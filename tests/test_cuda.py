@@ -56,7 +56,8 @@ def test_ranks_that_load_nccl_and_ranks_that_cannot_are_told_on_every_rank(world
     """Under SMDDP_CUDA_TRANSPORT=auto a host without cupy would stage through host memory while
     the others waited in NCCL: every rank raises, naming both sets of ranks and the reason, and
     again at the next CUDA call (at 2 ranks the store's counts alone would then agree)."""
-    results = harness.values(harness.launch("tests.programs:cuda_paths_compared", world, without_nccl=without_nccl))
+    results = harness.values(harness.launch("tests.cuda_programs:cuda_paths_compared", world,
+                                            without_nccl=without_nccl))
     loaded = [r for r in range(world) if r not in without_nccl]
     for rank, r in enumerate(results):
         assert r["type"] == "ValueError", (rank, r)
@@ -71,7 +72,8 @@ def test_ranks_that_load_nccl_and_ranks_that_cannot_are_told_on_every_rank(world
 def test_ranks_that_agreed_agree_again_when_the_paths_are_made_again():
     """NCCL's set-up failing after the ranks agreed leaves the paths unmade, and the next CUDA
     call compares again: on fresh keys, not on counts that now add up to twice the world."""
-    for rank, r in enumerate(harness.values(harness.launch("tests.programs:cuda_paths_compared", 2, without_nccl=[]))):
+    for rank, r in enumerate(harness.values(harness.launch("tests.cuda_programs:cuda_paths_compared", 2,
+                                                           without_nccl=[]))):
         assert r["type"] is None and r["again"]["type"] is None, (rank, r)
 
 
@@ -80,7 +82,8 @@ def test_ranks_that_agreed_agree_again_when_the_paths_are_made_again():
 def test_ranks_that_all_lack_nccl_agree_and_each_says_why(setting):
     """The comparison on the path every CI rank takes (no cupy anywhere): under auto every rank
     stages with the warning; under nccl every rank raises the ImportError saying what to install."""
-    for rank, r in enumerate(harness.values(harness.launch("tests.programs:cuda_paths_compared", 2, setting=setting))):
+    for rank, r in enumerate(harness.values(harness.launch("tests.cuda_programs:cuda_paths_compared", 2,
+                                                           setting=setting))):
         if setting == "auto":
             assert r["type"] is None and r["staged"], (rank, r)
             assert any("host memory" in w and "cupy is not installed" in w for w in r["warnings"]), (rank, r)
@@ -378,7 +381,7 @@ def test_staged_peer_dying_during_ddp_backward_raises_on_every_survivor():
     """As on the CPU (test_errors.py): DDP's reducer takes each bucket through the CUDA work's
     future, so a failure must be an error of that future, not its value. The staged path lets
     three ranks share the one GPU; rank 1 exits between forward and backward."""
-    results = harness.launch("tests.programs:ddp_peer_dies", 3, env={"SMDDP_CUDA_TRANSPORT": "staged"},
+    results = harness.launch("tests.errors_programs:ddp_peer_dies", 3, env={"SMDDP_CUDA_TRANSPORT": "staged"},
                              device="cuda")
     assert results[1].returncode == 3, results[1].output[-3000:]
     for result in (results[0], results[2]):

@@ -9,7 +9,7 @@ from . import harness
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_matches_gloo(world):
-    results = harness.values(harness.launch("tests.programs:ddp_parity", world, steps=12))
+    results = harness.values(harness.launch("tests.ddp_programs:ddp_parity", world, steps=12))
     for rank, result in enumerate(results):
         if world == 2:
             # a + b == b + a in IEEE arithmetic and both backends round a float16 sum once:
@@ -34,7 +34,7 @@ def test_ddp_join_trains_ranks_with_uneven_inputs_to_the_same_end(transport, div
     for each other until the timeout). With divide_by_initial_world_size=False, DDP hands the
     forward pass's all_reduce Work to its C++ reducer and drops it: that hung on shm and failed
     on gloo ("getFuture not implemented") once Python had freed the Work."""
-    results = harness.values(harness.launch("tests.programs:ddp_uneven_inputs", 3, timeout=200,
+    results = harness.values(harness.launch("tests.ddp_programs:ddp_uneven_inputs", 3, timeout=200,
                                             env={"SMDDP_TRANSPORT": transport},
                                             divide_by_initial_world_size=divide))
     for rank, result in enumerate(results):

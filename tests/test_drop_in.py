@@ -24,18 +24,18 @@ def test_integer_averages_truncate_as_nccl_does(transport):
     first metric sync; torch's nccl computes the sum divided by the group's size, truncated."""
     if transport == "mpi":
         harness.skip_without_mpiexec()
-        results = harness.launch_mpi("tests.programs:integer_averages", 3, env={"SMDDP_TRANSPORT": "mpi"})
+        results = harness.launch_mpi("tests.drop_in_programs:integer_averages", 3, env={"SMDDP_TRANSPORT": "mpi"})
     else:
         world, layout = (4, {"hosts_of": 2}) if transport == "hierarchical" else (3, {})  # 2 hosts x 2 ranks
-        results = harness.launch("tests.programs:integer_averages", world, env=TRANSPORTS[transport], **layout)
+        results = harness.launch("tests.drop_in_programs:integer_averages", world, env=TRANSPORTS[transport], **layout)
     assert all(r == {"wrong": []} for r in harness.values(results)), harness.values(results)
 
 
 def test_all_gather_coalesced_lays_out_outputs_as_gloo_does():
     """Output lists indexed by rank, then by input; 3 ranks and 2 inputs were refused before
     ("expected 3 output tensors (one per rank), found 1")."""
-    ours = harness.values(harness.launch("tests.programs:all_gather_coalesced_layout", 3))
-    reference = harness.values(harness.launch("tests.programs:all_gather_coalesced_layout", 3, backend="gloo"))
+    ours = harness.values(harness.launch("tests.drop_in_programs:all_gather_coalesced_layout", 3))
+    reference = harness.values(harness.launch("tests.drop_in_programs:all_gather_coalesced_layout", 3, backend="gloo"))
     for rank, (mine, theirs) in enumerate(zip(ours, reference)):
         assert mine["outputs"] == theirs["outputs"], (rank, mine["outputs"], theirs["outputs"])
         assert mine["outputs"][2][1] == [20.0, 21.0, 22.0, 23.0], mine
@@ -47,7 +47,7 @@ def test_compile_and_its_steps_raise_no_warning_from_this_project():
     """compile's agreement check used torch's deprecated all_gather_into_tensor, which printed a
     FutureWarning on every rank."""
     root = os.fspath(harness.ROOT)
-    for report in harness.values(harness.launch("tests.programs:warnings_of_compile", 2)):
+    for report in harness.values(harness.launch("tests.drop_in_programs:warnings_of_compile", 2)):
         ours = [w for w in report["warnings"] if w.startswith(root) and "/tests/" not in w]
         assert ours == [], ours
 

@@ -51,7 +51,7 @@ EXPECTED_WORDS = {
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
 def test_bad_input_raises_on_every_rank_and_group_stays_usable(transport):
-    reports = harness.values(harness.launch("tests.programs:bad_input", 2, env=TRANSPORT_ENVS[transport]))
+    reports = harness.values(harness.launch("tests.errors_programs:bad_input", 2, env=TRANSPORT_ENVS[transport]))
     for rank, report in enumerate(reports):
         assert set(report) == set(EXPECTED_WORDS)
         for case, words in EXPECTED_WORDS.items():
@@ -76,7 +76,8 @@ MISMATCH_HINTS = {  # where a mismatch's message tells the user to look, by what
 @pytest.mark.parametrize("kind", ["size", "dtype", "op", "moved_dtype", "all_gather_sizes", "all_gather_paths",
                                   "premul_all_reduce_size", "premul_reduce_size"])
 def test_mismatched_calls_raise_on_every_rank(transport, kind):
-    reports = harness.values(harness.launch("tests.programs:mismatch", 2, env=TRANSPORT_ENVS[transport], kind=kind))
+    reports = harness.values(harness.launch("tests.errors_programs:mismatch", 2, env=TRANSPORT_ENVS[transport],
+                                            kind=kind))
     # a mismatch found in a table every rank gathered (split sizes; SMDDP_CHECK_COLLECTIVES'
     # signatures, as on gloo here) leaves nothing posted: the group goes on. One that shm's
     # headers find (the check costs nothing there) may have left a peer inside the call.
@@ -116,11 +117,11 @@ def test_calls_of_different_sizes_are_caught_by_default(transport):
     every rank raises, naming both calls, before any data moves, and the group goes on."""
     if transport == "mpi":
         harness.skip_without_mpiexec()
-        results = harness.launch_mpi("tests.programs:mismatch", 2, env={"SMDDP_TRANSPORT": "mpi"}, kind="size")
+        results = harness.launch_mpi("tests.errors_programs:mismatch", 2, env={"SMDDP_TRANSPORT": "mpi"}, kind="size")
     elif transport == "gloo":
-        results = harness.launch("tests.programs:mismatch", 2, env={"SMDDP_TRANSPORT": "gloo"}, kind="size")
+        results = harness.launch("tests.errors_programs:mismatch", 2, env={"SMDDP_TRANSPORT": "gloo"}, kind="size")
     else:  # 2 simulated hosts of one rank: the calls meet between hosts only
-        results = harness.launch("tests.programs:mismatch", 2, env={"SMDDP_ALGORITHM": "hierarchical"},
+        results = harness.launch("tests.errors_programs:mismatch", 2, env={"SMDDP_ALGORITHM": "hierarchical"},
                                  hosts_of=1, kind="size")
     for rank, error in enumerate(harness.values(results)):
         assert error["type"] == "RecoverableMismatchError", (rank, error)
@@ -140,9 +141,9 @@ def test_a_call_that_pairs_with_a_peers_exchange_of_sizes_is_told(transport):
     env = {"SMDDP_TRANSPORT": transport, **UNCHECKED}
     if transport == "mpi":
         harness.skip_without_mpiexec()
-        results = harness.launch_mpi("tests.programs:mismatch", 2, env=env, kind="all_gather_paths")
+        results = harness.launch_mpi("tests.errors_programs:mismatch", 2, env=env, kind="all_gather_paths")
     else:
-        results = harness.launch("tests.programs:mismatch", 2, env=env, kind="all_gather_paths")
+        results = harness.launch("tests.errors_programs:mismatch", 2, env=env, kind="all_gather_paths")
     first, second = harness.values(results)
     said = ("as call #1 of this group: rank 0: another collective of 48 bytes per rank, which paired with",
             "rank 1: all_gather(with outputs of different sizes, dtype=int64)",
@@ -161,7 +162,8 @@ def test_ranks_of_one_host_whose_sizes_give_the_same_share_are_told():
     """On 2 hosts x 2 ranks each host's ranks all-reduce 100000 and 99999 elements: the steps
     inside the hosts move shares of 50000 alike, so their headers alone would match, and the
     steps between hosts too; the headers also carry the user's call, and every rank raises."""
-    reports = harness.values(harness.launch("tests.programs:mismatch", 4, env={"SMDDP_ALGORITHM": "hierarchical", **UNCHECKED},
+    reports = harness.values(harness.launch("tests.errors_programs:mismatch", 4,
+                                            env={"SMDDP_ALGORITHM": "hierarchical", **UNCHECKED},
                                             hosts_of=2, kind="host_share_size"))
     for rank, error in enumerate(reports):
         assert error["type"] == "CollectiveMismatchError", (rank, error)
@@ -178,7 +180,8 @@ def test_ranks_of_one_host_passing_different_dtypes_to_a_hierarchical_all_gather
     bytes inside the host), and its message the user's ranks, not the host group's. (Ranks 0
     and 1, on the other host, agree with each other and with what gloo checks between hosts:
     their call completes; the mismatch reaches them on the group's board, in a later wait.)"""
-    reports = harness.values(harness.launch("tests.programs:mismatch", 4, env={"SMDDP_ALGORITHM": "hierarchical", **UNCHECKED},
+    reports = harness.values(harness.launch("tests.errors_programs:mismatch", 4,
+                                            env={"SMDDP_ALGORITHM": "hierarchical", **UNCHECKED},
                                             hosts_of=2, kind="moved_dtype"))
     for rank in (2, 3):
         error = reports[rank]
@@ -235,9 +238,10 @@ def test_ranks_waiting_in_different_calls_raise_without_the_check(transport, kin
     odd = WAITING_MISMATCH_ODD_RANKS.get((transport, kind), odd)
     if transport == "mpi":
         harness.skip_without_mpiexec()
-        results = harness.launch_mpi("tests.programs:mismatch_that_waits", world, kind=kind, odd_ranks=odd, **launch)
+        results = harness.launch_mpi("tests.errors_programs:mismatch_that_waits", world, kind=kind, odd_ranks=odd,
+                                     **launch)
     else:
-        results = harness.launch("tests.programs:mismatch_that_waits", world, kind=kind, odd_ranks=odd, **launch)
+        results = harness.launch("tests.errors_programs:mismatch_that_waits", world, kind=kind, odd_ranks=odd, **launch)
     for rank, error in enumerate(harness.values(results)):
         assert error["type"] == "CollectiveMismatchError", (rank, error)
         assert error["backend_error"], "must be a torch DistBackendError"
@@ -252,7 +256,8 @@ def test_a_rank_arriving_after_its_peers_found_a_mismatch_is_told():
     """Ranks 0 and 1 differ and raise after about a second; rank 2, which calls what rank 0 does,
     arrives 3 s later: it must raise the same error, not wait for the timeout (its peers have
     left the call, and may have exited)."""
-    results = harness.launch("tests.programs:mismatch_that_waits", 3, env={"SMDDP_TRANSPORT": "gloo", **UNCHECKED},
+    results = harness.launch("tests.errors_programs:mismatch_that_waits", 3,
+                             env={"SMDDP_TRANSPORT": "gloo", **UNCHECKED},
                              kind="op",
                              odd_ranks=[1], late_rank=2, late_s=3.0)
     for rank, error in enumerate(harness.values(results)):
@@ -267,7 +272,7 @@ def test_gloo_sizes_that_differ_abort_one_rank_and_the_other_is_told_what_to_loo
     """Not found by waiting: gloo aborts the rank that receives more bytes than it posted before
     anyone waits. The other rank can only see a closed connection in its next call; its error
     must say what the aborted rank's output shows when that is the cause, and how to be told."""
-    aborted, survivor = harness.launch("tests.programs:sizes_differ_on_gloo", 2,
+    aborted, survivor = harness.launch("tests.errors_programs:sizes_differ_on_gloo", 2,
                                        env={"SMDDP_TRANSPORT": "gloo", **UNCHECKED})
     assert aborted.returncode != 0, aborted
     assert "Received data size doesn't match expected size" in aborted.output, aborted.output
@@ -289,9 +294,9 @@ def test_a_slow_rank_whose_calls_match_is_not_taken_for_a_mismatch(transport):
     world, _, launch = WAITING_MISMATCH_LAUNCHES[transport]
     if transport == "mpi":
         harness.skip_without_mpiexec()
-        results = harness.launch_mpi("tests.programs:slow_rank_matching_calls", world, **launch)
+        results = harness.launch_mpi("tests.errors_programs:slow_rank_matching_calls", world, **launch)
     else:
-        results = harness.launch("tests.programs:slow_rank_matching_calls", world, **launch)
+        results = harness.launch("tests.errors_programs:slow_rank_matching_calls", world, **launch)
     total = float(sum(range(world)))
     for rank, report in enumerate(harness.values(results)):
         assert report["sums"] == [[total] * 3, [total] * 2], (rank, report)
@@ -310,12 +315,13 @@ def test_uneven_all_to_all_sizes_that_disagree_raise_on_every_rank_and_the_group
     env = {"SMDDP_TRANSPORT": transport}
     if transport == "mpi":
         harness.skip_without_mpiexec()
-        results = harness.launch_mpi("tests.programs:uneven_splits_disagree", 2, env=env)
+        results = harness.launch_mpi("tests.errors_programs:uneven_splits_disagree", 2, env=env)
     elif transport == "hierarchical":  # 2 simulated hosts of one rank: the exchange crosses hosts
-        results = harness.launch("tests.programs:uneven_splits_disagree", 2, env={"SMDDP_ALGORITHM": "hierarchical"},
+        results = harness.launch("tests.errors_programs:uneven_splits_disagree", 2,
+                                 env={"SMDDP_ALGORITHM": "hierarchical"},
                                  hosts_of=1)
     else:
-        results = harness.launch("tests.programs:uneven_splits_disagree", 2, env=env)
+        results = harness.launch("tests.errors_programs:uneven_splits_disagree", 2, env=env)
     for rank, error in enumerate(harness.values(results)):
         assert error["type"] == "RecoverableMismatchError", (rank, error)
         assert "rank 1 sends 2 elements to rank 0, which expects 3" in error["message"], error["message"]
@@ -363,9 +369,9 @@ def test_a_refused_call_that_some_ranks_finish_without_the_refuser_fails_the_gro
     env = {"SMDDP_TRANSPORT": transport}
     if transport == "mpi":
         harness.skip_without_mpiexec()
-        results = harness.launch_mpi("tests.programs:rooted_call_refused", world, env=env, op=op)
+        results = harness.launch_mpi("tests.errors_programs:rooted_call_refused", world, env=env, op=op)
     else:
-        results = harness.launch("tests.programs:rooted_call_refused", world, env=env, op=op)
+        results = harness.launch("tests.errors_programs:rooted_call_refused", world, env=env, op=op)
     reports = harness.values(results)
     assert "is on meta" in reports[-1]["message"], reports[-1]
     assert "can no longer be used" in reports[-1]["next"], reports[-1]
@@ -381,10 +387,11 @@ def test_rank_refusing_a_call_releases_its_waiting_peers(transport, kind, retry)
     world, launch = REFUSAL_LAUNCHES[transport]
     if transport == "mpi":
         harness.skip_without_mpiexec()
-        reports = harness.values(harness.launch_mpi("tests.programs:one_rank_refuses", world, retry=retry, kind=kind,
+        reports = harness.values(harness.launch_mpi("tests.errors_programs:one_rank_refuses", world, retry=retry,
+                                                    kind=kind,
                                                     **launch))
     else:
-        reports = harness.values(harness.launch("tests.programs:one_rank_refuses", world, retry=retry, kind=kind,
+        reports = harness.values(harness.launch("tests.errors_programs:one_rank_refuses", world, retry=retry, kind=kind,
                                                 **launch))
     refuser = world - 1
     if retry:  # its next call would pair with the operations the others left posted: it must fail
@@ -423,10 +430,10 @@ def test_a_refusal_is_reported_as_itself_when_the_refuser_is_already_in_its_next
     world, launch = REFUSAL_LAUNCHES[transport]
     if transport == "mpi":
         harness.skip_without_mpiexec()
-        results = harness.launch_mpi("tests.programs:one_rank_refuses", world, kind="dtype",
+        results = harness.launch_mpi("tests.errors_programs:one_rank_refuses", world, kind="dtype",
                                      peers_late=str(tmp_path / "refused"), **launch)
     else:
-        results = harness.launch("tests.programs:one_rank_refuses", world, kind="dtype",
+        results = harness.launch("tests.errors_programs:one_rank_refuses", world, kind="dtype",
                                  peers_late=str(tmp_path / "refused"), **launch)
     reports = harness.values(results)
     refuser = world - 1
@@ -441,7 +448,7 @@ def test_a_refusal_is_reported_as_itself_when_the_refuser_is_already_in_its_next
 def test_shm_forced_across_hosts_is_refused_on_every_rank():
     """Rank 0 decides the transport; it raised the clear error, and the other ranks waited for
     its decision until the group's timeout."""
-    reports = harness.values(harness.launch("tests.programs:init_refused", 2, env={"SMDDP_TRANSPORT": "shm"},
+    reports = harness.values(harness.launch("tests.errors_programs:init_refused", 2, env={"SMDDP_TRANSPORT": "shm"},
                                             interleaved_hosts=2))
     for rank, error in enumerate(reports):
         assert f"[smddp rank {rank}/2" in error["message"], error
@@ -472,7 +479,7 @@ SETTINGS_DIFFER_CASES = {
 @pytest.mark.parametrize("case", sorted(SETTINGS_DIFFER_CASES))
 def test_ranks_whose_settings_differ_are_refused_at_init_on_every_rank(case):
     world, launch, settings, said = SETTINGS_DIFFER_CASES[case]
-    reports = harness.values(harness.launch("tests.programs:settings_differ", world, settings_of_rank=settings,
+    reports = harness.values(harness.launch("tests.errors_programs:settings_differ", world, settings_of_rank=settings,
                                             **launch))
     for rank, report in enumerate(reports):
         error = report["init"]
@@ -486,7 +493,7 @@ def test_ranks_whose_settings_differ_are_refused_at_init_on_every_rank(case):
 def test_ranks_whose_settings_agree_are_not_refused():
     """Settings that stay on their rank (the scratch size, blocking waits) may differ."""
     settings = {"1": {"SMDDP_SCRATCH_MAX_BYTES": "0", "SMDDP_BLOCKING_WAIT": "1"}}
-    for report in harness.values(harness.launch("tests.programs:settings_differ", 2, settings_of_rank=settings,
+    for report in harness.values(harness.launch("tests.errors_programs:settings_differ", 2, settings_of_rank=settings,
                                                 env={"SMDDP_TRANSPORT": "shm"})):
         assert report["init"]["type"] is None and report["call"]["type"] is None and report["sum_right"], report
 
@@ -495,7 +502,7 @@ def test_steps_that_differ_under_one_call_are_named_as_a_bug():
     """With settings that agree, ranks of one host cannot take different steps for one call;
     if they do (the program makes them), the message names the steps and says it is a bug in
     smddp-lite, not a hint about the user's tensors."""
-    reports = harness.values(harness.launch("tests.programs:steps_differ_under_one_call", 4, hosts_of=2,
+    reports = harness.values(harness.launch("tests.errors_programs:steps_differ_under_one_call", 4, hosts_of=2,
                                             env={"SMDDP_ALGORITHM": "hierarchical"}))
     for rank, error in enumerate(reports):
         assert error["type"] == "CollectiveMismatchError", (rank, error)
@@ -508,7 +515,7 @@ def test_steps_that_differ_under_one_call_are_named_as_a_bug():
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
 def test_dead_peer_raises_naming_rank_and_op(transport):
-    results = harness.launch("tests.programs:peer_dies", 2, env=TRANSPORT_ENVS[transport])
+    results = harness.launch("tests.errors_programs:peer_dies", 2, env=TRANSPORT_ENVS[transport])
     error = results[0].value
     assert error is not None, results[0].output[-3000:]
     assert error["backend_error"], error
@@ -527,7 +534,7 @@ def test_rank_0_killed_during_init_leaves_no_segment_behind():
     """Rank 0 removed the segment's name once every rank had mapped it; killed while it waited,
     it left a segment of the job's size in /dev/shm for good."""
     before = set(Path("/dev/shm").glob("smddp-*"))
-    results = harness.launch("tests.programs:rank_0_killed_while_others_map", 2, env={"SMDDP_TRANSPORT": "gloo"})
+    results = harness.launch("tests.errors_programs:rank_0_killed_while_others_map", 2, env={"SMDDP_TRANSPORT": "gloo"})
     assert results[0].returncode == -9, results[0].output[-3000:]
     error = results[1].value
     assert error is not None and error["type"] == "PeerFailureError", (results[1].error, results[1].output[-3000:])
@@ -542,7 +549,8 @@ def test_dead_peer_under_mpiexec_is_named_by_every_survivor_within_seconds(world
     (hydra's -disable-auto-cleanup) they waited in the call until the group's timeout (120 s
     here, 30 minutes by default) and the message named no rank."""
     harness.skip_without_mpiexec()
-    results = harness.launch_mpi("tests.programs:mpi_peer_dies", world, env={"SMDDP_TRANSPORT": "mpi"}, timeout=100,
+    results = harness.launch_mpi("tests.errors_programs:mpi_peer_dies", world, env={"SMDDP_TRANSPORT": "mpi"},
+                                 timeout=100,
                                  launcher_flags=("-disable-auto-cleanup",), reported=str(tmp_path))
     for survivor in results[:-1]:
         error = survivor.value
@@ -565,7 +573,7 @@ def test_peer_dying_during_ddp_backward_raises_on_every_survivor(transport):
     """DDP's reducer takes each bucket's all_reduce through the work's future, not its wait():
     the failure must be an error of that future, which backward() raises, on every rank left."""
     world, launch = DDP_DEATH_LAUNCHES[transport]
-    results = harness.launch("tests.programs:ddp_peer_dies", world, **launch)
+    results = harness.launch("tests.errors_programs:ddp_peer_dies", world, **launch)
     assert results[1].returncode == 3, results[1].output[-3000:]
     for result in results[:1] + results[2:]:
         error = result.value
@@ -583,7 +591,7 @@ def test_full_dev_shm_says_so_on_every_rank_instead_of_crashing():
     mount namespace whose /dev/shm is a 16 MB tmpfs; the segment needs 32 MiB."""
     with tempfile.TemporaryDirectory(prefix="smddp-shm-") as tmp:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   str(harness.WORKER), "tests.programs:init_only", "{}", tmp]
+                   str(harness.WORKER), "tests.errors_programs:init_only", "{}", tmp]
         env = harness._base_env({"SMDDP_TRANSPORT": "shm", "SMDDP_SHM_CHUNK_BYTES": str(8 << 20)})
         done = subprocess.run(["unshare", "--mount", "sh", "-c",
                                'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec "$@"', "sh", *command],
@@ -598,7 +606,7 @@ def test_full_dev_shm_says_so_on_every_rank_instead_of_crashing():
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
 def test_stuck_peer_times_out_with_the_group_timeout(transport):
-    results = harness.launch("tests.programs:peer_stuck", 2, env=TRANSPORT_ENVS[transport])
+    results = harness.launch("tests.errors_programs:peer_stuck", 2, env=TRANSPORT_ENVS[transport])
     error = results[0].value
     assert error is not None, results[0].output[-3000:]
     assert error["backend_error"] and "all_reduce" in error["message"], error
@@ -606,7 +614,7 @@ def test_stuck_peer_times_out_with_the_group_timeout(transport):
 
 
 def test_collectives_after_destroy_say_so():
-    (report,) = harness.values(harness.launch("tests.programs:after_destroy", 1))
+    (report,) = harness.values(harness.launch("tests.errors_programs:after_destroy", 1))
     assert "not been initialized" in report["module_api"]["message"]
     assert "destroyed" in report["stale_handle"]["message"], report["stale_handle"]
 

@@ -29,7 +29,7 @@ HIER = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_HIERARCHICAL_CHUNK_BYTES": "40
 ])
 def test_fully_shard_trains_as_on_gloo(layout, param_dtype, tolerance):
     world, env, hosts_of = (2, {}, 0) if layout == "one-host" else (4, HIER, 2)
-    results = harness.values(harness.launch("tests.programs:fsdp_parity", world, env=env, hosts_of=hosts_of,
+    results = harness.values(harness.launch("tests.fsdp_programs:fsdp_parity", world, env=env, hosts_of=hosts_of,
                                             param_dtype=param_dtype))
     for rank, result in enumerate(results):
         assert result["max_diff"] <= tolerance, (rank, result)
@@ -40,7 +40,7 @@ def test_gradient_divide_factor_trains_as_on_gloo(param_dtype):
     """``set_gradient_divide_factor`` makes FSDP2 reduce-scatter with PREMUL_SUM(1 / factor), which
     gloo refuses; smddp runs it, and trains as gloo's average times world size / factor does. The
     factor is a power of two, so both round alike: bit for bit."""
-    results = harness.values(harness.launch("tests.programs:fsdp_parity", 2, param_dtype=param_dtype,
+    results = harness.values(harness.launch("tests.fsdp_programs:fsdp_parity", 2, param_dtype=param_dtype,
                                             divide_factor=8.0))
     for rank, result in enumerate(results):
         assert result["max_diff"] == 0.0, (rank, result)
@@ -51,7 +51,8 @@ def test_hybrid_sharding_across_hosts_trains_as_on_gloo(param_dtype, tolerance):
     """HSDP on 2 simulated hosts x 2 ranks: each host's ranks shard (a subgroup on shared memory,
     reduce_scatter AVG), the hosts replicate (two subgroups of one rank per host, all_reduce AVG,
     hierarchical: bfloat16 crosses as it is, divided before its last rounding)."""
-    results = harness.values(harness.launch("tests.programs:hsdp_parity", 4, env={"SMDDP_ALGORITHM": "hierarchical"},
+    results = harness.values(harness.launch("tests.fsdp_programs:hsdp_parity", 4,
+                                            env={"SMDDP_ALGORITHM": "hierarchical"},
                                             hosts_of=2, param_dtype=param_dtype))
     for rank, result in enumerate(results):
         assert result["max_diff"] <= tolerance, (rank, result)
@@ -61,7 +62,7 @@ def test_functional_collectives_find_the_group_by_its_name():
     # DTensor (FSDP2's parameters), tensor parallelism and compiled code call these; before the
     # group kept its name, each raised "ProcessGroup name not set"
     world = 3
-    results = harness.values(harness.launch("tests.programs:functional_collectives", world))
+    results = harness.values(harness.launch("tests.fsdp_programs:functional_collectives", world))
     for rank, result in enumerate(results):
         assert result["all_reduce"] == [6.0] * 4
         assert result["all_gather"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
@@ -73,7 +74,7 @@ def test_checkpoint_code_that_asks_the_group_for_its_devices_works(tmp_path):
     """Loading a full checkpoint into FSDP2 from rank 0 (broadcast_from_rank0), DCP's async_save,
     and FSDP1's optimizer state dict ask the group which devices it serves; "smddp" answered
     none, and each failed."""
-    ranks = harness.values(harness.launch("tests.programs:checkpoint_paths", 2, directory=str(tmp_path / "ckpt")))
+    ranks = harness.values(harness.launch("tests.fsdp_programs:checkpoint_paths", 2, directory=str(tmp_path / "ckpt")))
     for rank, report in enumerate(ranks):
         assert report == {"loaded_rank_0s": True, "async_saved": True, "default_device": "cpu",
                           "object_device": "cpu"}, (rank, report)

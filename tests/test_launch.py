@@ -19,18 +19,18 @@ def _expect(results, world):
 
 
 def test_env_rendezvous_like_torchrun():
-    _expect(harness.launch("tests.programs:init_auto", 2), 2)
+    _expect(harness.launch("tests.launch_programs:init_auto", 2), 2)
 
 
 def test_tcp_init_method():
     with socket.socket() as s:  # a free port from the OS, released just before the job binds it
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    _expect(harness.launch("tests.programs:init_explicit", 2, rendezvous=False, method="tcp", port=port), 2)
+    _expect(harness.launch("tests.launch_programs:init_explicit", 2, rendezvous=False, method="tcp", port=port), 2)
 
 
 def test_file_init_method(tmp_path):
-    _expect(harness.launch("tests.programs:init_explicit", 3, rendezvous=False, method="file",
+    _expect(harness.launch("tests.launch_programs:init_explicit", 3, rendezvous=False, method="file",
                            path=str(tmp_path / "rendezvous")), 3)
 
 
@@ -38,7 +38,7 @@ def test_file_init_method(tmp_path):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_mpirun_without_rank_variables(world):
     harness.skip_without_mpiexec()
-    values = _expect(harness.launch_mpi("tests.programs:init_auto", world), world)
+    values = _expect(harness.launch_mpi("tests.launch_programs:init_auto", world), world)
     assert [v["env_rank"] for v in values] == [str(r) for r in range(world)]
 
 
@@ -48,7 +48,7 @@ def test_mpi_subgroups_when_the_default_group_is_hierarchical():
     then failed ("the default smddp group must use MPI before a subgroup can"): it learns its
     members' MPI ranks through its own store now."""
     harness.skip_without_mpiexec()
-    reports = harness.values(harness.launch_mpi("tests.programs:mpi_subgroups_on_simulated_hosts", 4))
+    reports = harness.values(harness.launch_mpi("tests.launch_programs:mpi_subgroups_on_simulated_hosts", 4))
     for rank, report in enumerate(reports):
         assert report["default"] == "hierarchical", (rank, report)
         if rank in (0, 1):
@@ -65,7 +65,7 @@ def test_mpi_rank_slow_to_leave_is_not_killed(tmp_path):
     leave than its peer must now get there."""
     harness.skip_without_mpiexec()
     mark = tmp_path / "rank1-left"
-    results = harness.launch_mpi("tests.programs:init_auto", 2,
+    results = harness.launch_mpi("tests.launch_programs:init_auto", 2,
                                  env={"TEST_LINGER_RANK": "1", "TEST_LINGER_S": "1", "TEST_LINGER_MARK": str(mark)})
     _expect(results, 2)
     assert mark.exists(), results[1].output
@@ -77,7 +77,7 @@ def test_mpi_all_reduce_larger_than_one_piece_is_exact():
     ones); 2 pieces and a ragged tail must still give every element its exact sum."""
     harness.skip_without_mpiexec()
     numel = 2 * (16 << 20) // 4 + 1001
-    results = harness.launch_mpi("tests.programs:large_all_reduce", 2, numel=numel)
+    results = harness.launch_mpi("tests.launch_programs:large_all_reduce", 2, numel=numel)
     assert harness.values(results) == [0, 0]
     assert "uses transport mpi" in results[0].output, results[0].output
 
@@ -95,7 +95,7 @@ def test_group_destroyed_and_made_again_on_the_same_store(name):
     store: the shm transport's second init opened the first one's segment name (the file was
     gone) before the group's keys were kept apart per incarnation."""
     ranks, kwargs = MADE_AGAIN[name]
-    for rank, report in enumerate(harness.values(harness.launch("tests.programs:made_again", ranks, timeout=180,
+    for rank, report in enumerate(harness.values(harness.launch("tests.launch_programs:made_again", ranks, timeout=180,
                                                                 **kwargs))):
         assert report["got"] == report["want"], (rank, report)
 
@@ -103,12 +103,12 @@ def test_group_destroyed_and_made_again_on_the_same_store(name):
 @pytest.mark.mpi
 def test_group_destroyed_and_made_again_under_mpiexec():
     harness.skip_without_mpiexec()
-    results = harness.launch_mpi("tests.programs:made_again", 2, env={"SMDDP_TRANSPORT": "mpi"}, timeout=180)
+    results = harness.launch_mpi("tests.launch_programs:made_again", 2, env={"SMDDP_TRANSPORT": "mpi"}, timeout=180)
     for rank, report in enumerate(harness.values(results)):
         assert report["got"] == report["want"], (rank, report)
 
 
 def test_subgroup_name_reused_for_a_group_of_another_size():
-    results = harness.values(harness.launch("tests.programs:subgroup_made_again", 4, timeout=120))
+    results = harness.values(harness.launch("tests.launch_programs:subgroup_made_again", 4, timeout=120))
     for rank, report in enumerate(results):
         assert report["sums"] == [2.0 if rank < 2 else 1.0, 4.0], (rank, report)

@@ -40,7 +40,7 @@ def test_mpi_job_runs_where_process_vm_readv_is_forbidden():
     """smddp_lite turns MPICH's cross-memory attach off before MPI starts; the MPI transport's
     large messages then go through MPICH's shared-memory queues and every result is exact."""
     _needs_mpi()
-    results = harness.launch_mpi("tests.programs:large_messages", 2, prefix=FORBID, numel=NUMEL,
+    results = harness.launch_mpi("tests.mpi_environment_programs:large_messages", 2, prefix=FORBID, numel=NUMEL,
                                  env={"SMDDP_TRANSPORT": "mpi"})
     for report in harness.values(results):
         assert report["error"]["type"] is None, report
@@ -54,7 +54,7 @@ def test_one_host_job_of_mpiexec_takes_shared_memory_where_process_vm_readv_is_f
     """Without cross-memory attach MPICH is slower than the shm transport; left to choose, the
     group takes shm and says why."""
     _needs_mpi()
-    results = harness.launch_mpi("tests.programs:large_messages", 2, prefix=FORBID, numel=NUMEL)
+    results = harness.launch_mpi("tests.mpi_environment_programs:large_messages", 2, prefix=FORBID, numel=NUMEL)
     for report in harness.values(results):
         assert report["error"]["type"] is None, report
         assert report["exact"] == {"broadcast": True, "all_reduce": True, "all_gather": True}, report
@@ -65,7 +65,7 @@ def test_one_host_job_of_mpiexec_takes_shared_memory_where_process_vm_readv_is_f
 @pytest.mark.mpi
 def test_mpi_job_keeps_cross_memory_attach_where_it_is_allowed():
     _needs_mpi()
-    results = harness.launch_mpi("tests.programs:large_messages", 2, numel=NUMEL)
+    results = harness.launch_mpi("tests.mpi_environment_programs:large_messages", 2, numel=NUMEL)
     reports = harness.values(results)
     assert [r["cma"] for r in reports] == [None, None], reports
     assert "uses transport mpi" in results[0].output, results[0].output
@@ -79,7 +79,7 @@ def test_mpi_error_on_one_rank_fails_every_rank_at_once():
     broadcast can end without rank 1 and which then waits in the all_reduce, must hear of it at
     once rather than after the 120 s group timeout."""
     _needs_mpi()
-    results = harness.launch_mpi("tests.programs:large_messages", 2, prefix=FORBID, numel=NUMEL,
+    results = harness.launch_mpi("tests.mpi_environment_programs:large_messages", 2, prefix=FORBID, numel=NUMEL,
                                  env={"MPIR_CVAR_CH4_CMA_ENABLE": "1", "SMDDP_TRANSPORT": "mpi"}, timeout=100)
     reports = harness.values(results)
     failed, heard = reports[1]["error"], reports[0]["error"]

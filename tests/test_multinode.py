@@ -137,23 +137,6 @@ def test_one_failing_host_ends_the_job_with_its_output():
     assert "rendezvous refused on sim-host-1" in str(err.value) and "host 0: -9" in str(err.value)
 
 
-@pytest.mark.parametrize("accumulate", ["float32", "wire"])
-def test_16_bit_sums_between_three_hosts_round_as_configured(accumulate):
-    from . import harness
-
-    env = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_INTER_NODE_WIRE_DTYPE": "bfloat16",
-           "SMDDP_INTER_NODE_ACCUMULATE": accumulate}
-    results = harness.values(harness.launch("tests.programs:wire_rounding", 3, env=env, hosts_of=1))
-    exact = 1 + 2.0**-7  # 1 + 2**-8 + 2**-8, one bfloat16 step above 1
-    for got in results:
-        if accumulate == "float32":  # summed in float32 and rounded once: exact on every rank
-            assert got == [exact]
-        else:  # where gloo's ring adds 2**-8 to 1 first, that partial sum rounds back to 1 on its
-            # hop: one step lost there, never more (and the setting visibly takes effect)
-            assert set(got) == {1.0, exact}
-    assert all(r == results[0] for r in results), "every rank must hold the same sums"
-
-
 @pytest.mark.parametrize("world, hosts_of", [(6, 2), (4, 1)])
 def test_broadcast_between_more_than_two_hosts_chains_its_pieces_and_delivers_them(world, hosts_of):
     """Pieces of 4 KiB: 1 element and 1000 float32 are one piece (gloo's tree between hosts), 4097
@@ -164,11 +147,12 @@ def test_broadcast_between_more_than_two_hosts_chains_its_pieces_and_delivers_th
     from . import harness
 
     env = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_HIERARCHICAL_CHUNK_BYTES": "4096"}
-    late = harness.launch("tests.programs:broadcasts_from_every_root", world, env=env, hosts_of=hosts_of,
+    late = harness.launch("tests.multinode_programs:broadcasts_from_every_root", world, env=env, hosts_of=hosts_of,
                           numels=[30000], late_s=1.0)
     for rank, report in enumerate(harness.values(late)):
         assert report["wrong"] == [], (rank, report)
-    results = harness.launch("tests.programs:broadcasts_from_every_root", world, env={**env, "SMDDP_DEBUG": "1"},
+    results = harness.launch("tests.multinode_programs:broadcasts_from_every_root", world,
+                             env={**env, "SMDDP_DEBUG": "1"},
                              hosts_of=hosts_of, numels=[1, 1000, 4097, 30000])
     for rank, report in enumerate(harness.values(results)):
         assert report["wrong"] == [], (rank, report)
@@ -176,102 +160,6 @@ def test_broadcast_between_more_than_two_hosts_chains_its_pieces_and_delivers_th
     # the debug log names each choice once, at its first call
     assert f"broadcast of 4 bytes in 1 piece crosses {hosts} hosts in gloo's tree" in results[0].output
     assert f"broadcast of 16388 bytes in 5 pieces crosses {hosts} hosts in a chain" in results[0].output
-
-
-@pytest.mark.parametrize("dtype, wire, want", [
-    # 16-bit blocks are summed in float32 where they arrive: 1 + 2**-8 + 2**-8 is exact (a sum in
-    # bfloat16 would round 1 + 2**-8 back to 1 at its first addition)
-    ("bfloat16", None, 1 + 2.0**-7),
-    ("float32", None, 1 + 2.0**-7 + 2.0**-9),
-    # each host's float32 sum is rounded to the wire dtype once (1 + 2**-9 to 1), then summed in float32
-    ("float32", "bfloat16", 1 + 2.0**-7),
-])
-def test_reduce_scatter_between_three_hosts_rounds_once_per_host_on_a_16_bit_wire(dtype, wire, want):
-    from . import harness
-
-    env = {"SMDDP_ALGORITHM": "hierarchical", **({"SMDDP_INTER_NODE_WIRE_DTYPE": wire} if wire else {})}
-    results = harness.values(harness.launch("tests.programs:reduce_scatter_rounding", 3, env=env, hosts_of=1,
-                                            dtype=dtype))
-    assert results == [[want]] * 3
-
-
-@pytest.mark.parametrize("dtype, world, hosts_of, algorithm, numel, want", [
-    # 2 hosts x 2: each host's sum rounds once on its way between hosts, as in a SUM; the
-    # division comes before the last rounding
-    ("bfloat16", 4, 2, "hierarchical", 1 << 16, "host_sums_rounded"),
-    # float16: each host's mean instead (a float16 host sum can overflow), the hosts' means
-    # averaged; on hosts of 3, where a mean is not a sum's exponent shifted, the two differ
-    ("float16", 4, 2, "hierarchical", 1 << 16, "host_means_rounded"),
-    ("float16", 6, 3, "hierarchical", 100003, "host_means_rounded"),  # shards and pieces of uneven size
-    # one rank per host: no host sum to round, so the float32 mean rounded once
-    ("bfloat16", 3, 1, "hierarchical", 1 << 16, "widened"),
-    ("float16", 3, 1, "hierarchical", 1 << 16, "widened"),
-    # under hierarchical_min_bytes: the flat ring in float32, divided, rounded once
-    ("bfloat16", 4, 2, "auto", 1 << 10, "widened"),
-    ("float16", 4, 2, "auto", 1 << 10, "widened"),
-])
-def test_16_bit_avg_all_reduce_between_hosts_divides_before_its_last_rounding(dtype, world, hosts_of, algorithm,
-                                                                              numel, want):
-    from . import harness
-
-    # pieces of 4 KiB: each piece's host sums (or means) cross and are summed on their own
-    env = {"SMDDP_ALGORITHM": algorithm, "SMDDP_HIERARCHICAL_CHUNK_BYTES": "4096"}
-    results = harness.values(harness.launch("tests.programs:all_reduce_16_bit_avg", world, env=env, hosts_of=hosts_of,
-                                            ranks_per_host=hosts_of, dtype=dtype, numel=numel))
-    for report in results:
-        assert report[want], report
-        if want != "widened":  # the references must differ, or this shows nothing
-            assert report["differ_from_widened_in"][want] > 0 and not report["widened"], report
-        if hosts_of == 3:  # hosts of 2 halve a sum exactly: the means are the sums' halves, the same bits
-            assert report["means_differ_from_sums_in"] > 0 and not report["host_sums_rounded"], report
-
-
-def test_float16_avg_reduce_scatter_between_hosts_rounds_each_hosts_mean_once():
-    """2 hosts x 3, forced hierarchical, blocks of an odd size in pieces of 4 KiB: each host's
-    mean of its ranks' blocks, in float32 rounded once to float16, crosses hosts; the two means
-    are summed in float32, halved and rounded once (on hosts of 3 a mean is not a sum's exponent
-    shifted, so the host sums' reference differs)."""
-    from . import harness
-
-    env = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_HIERARCHICAL_CHUNK_BYTES": "4096"}
-    results = harness.values(harness.launch("tests.programs:reduce_scatter_16_bit_sums", 6, env=env, hosts_of=3,
-                                            dtype="float16", op="AVG", ranks_per_host=3, numel_per_rank=10007))
-    for report in results:
-        assert report["host_means_rounded"] and not report["float32_once"], report
-        assert not report["host_sums_rounded"], report
-        assert report["differ_from_once_in"]["host_means_rounded"] > 0, report
-
-
-@pytest.mark.parametrize("algorithm", ["hierarchical", "auto"])
-def test_float16_avg_between_hosts_does_not_overflow_where_a_host_sum_would(algorithm):
-    """Every pair of these values sums past float16's largest value; their means are exact. 512 KiB
-    runs hierarchical under "auto" too (hierarchical_min_bytes is 256 KiB)."""
-    from . import harness
-
-    results = harness.values(harness.launch("tests.programs:float16_avg_of_large_values", 4,
-                                            env={"SMDDP_ALGORITHM": algorithm}, hosts_of=2))
-    assert results == [{"all_reduce": [40096.0], "reduce_scatter": [40096.0]}] * 4, results
-
-
-def test_float16_avg_between_hosts_with_gloo_inside_hosts():
-    """Where shared memory cannot serve a host's ranks (non-x86), gloo reduces inside the host:
-    its reduce_scatter takes the float16 AVG, sums in float32 and divides by the host's ranks
-    before rounding, as shared memory does, so the results are the same bits."""
-    from . import harness
-
-    env = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_HIERARCHICAL_CHUNK_BYTES": "4096", "SMDDP_DEBUG": "1"}
-    launched = harness.launch("tests.programs:without_shared_memory", 6, env=env, hosts_of=3,
-                              program="all_reduce_16_bit_avg", ranks_per_host=3, dtype="float16", numel=100003)
-    assert "2 hosts x 3 ranks: gloo inside hosts, gloo between" in launched[0].output
-    for report in harness.values(launched):
-        assert report["host_means_rounded"] and report["means_differ_from_sums_in"] > 0, report
-    for report in harness.values(harness.launch("tests.programs:without_shared_memory", 6, env=env, hosts_of=3,
-                                                program="reduce_scatter_16_bit_sums", dtype="float16", op="AVG",
-                                                ranks_per_host=3, numel_per_rank=10007)):
-        assert report["host_means_rounded"] and not report["host_sums_rounded"], report
-    large = harness.values(harness.launch("tests.programs:without_shared_memory", 4, env=env, hosts_of=2,
-                                          program="float16_avg_of_large_values"))
-    assert large == [{"all_reduce": [40096.0], "reduce_scatter": [40096.0]}] * 4, large
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
@@ -315,7 +203,7 @@ def test_hierarchical_collectives_send_each_byte_between_hosts_once(op, dtype, w
         out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs = [cluster.spawn(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
                                    f"--node-rank={i}", f"--master-addr={cluster.names[0]}", "--master-port=29500",
-                                   str(harness.WORKER), "tests.programs:link_bytes",
+                                   str(harness.WORKER), "tests.multinode_programs:link_bytes",
                                    json.dumps({"op": op, "dtype": dtype, "redop": redop}), tmp], env=env, **out)
                  for i in range(2)]
         cluster.wait_all(procs, timeout=300)
@@ -381,7 +269,7 @@ def test_auto_is_hierarchical_but_for_small_rounded_sums_and_small_broadcasts(wi
     from . import harness
 
     env = {"SMDDP_DEBUG": "1", **({"SMDDP_INTER_NODE_WIRE_DTYPE": wire} if wire else {})}
-    results = harness.values(harness.launch("tests.programs:routes_under_auto", 4, env=env, hosts_of=2))
+    results = harness.values(harness.launch("tests.multinode_programs:routes_under_auto", 4, env=env, hosts_of=2))
     for report in results:
         assert report["count"] == 4 * 1000.0 + 6 + 2.0, report
         assert report["gathered"] == [float(r) for r in range(4) for _ in range(3)], report
@@ -424,7 +312,8 @@ def test_a_rank_dying_on_another_host_is_named_by_the_gloo_transport(per_host):
                                      "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_host),
                                      "MASTER_ADDR": cluster.names[0], "MASTER_PORT": "29500",
                                      "TORCHELASTIC_USE_AGENT_STORE": "True"})
-            procs.append(cluster.spawn(rank // per_host, [sys.executable, str(harness.WORKER), "tests.programs:peer_dies",
+            procs.append(cluster.spawn(rank // per_host, [sys.executable, str(harness.WORKER),
+                                                          "tests.errors_programs:peer_dies",
                                                           "{}", tmp], env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + 120

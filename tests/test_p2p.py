@@ -17,7 +17,7 @@ LAUNCHES = {  # name: (ranks, launch arguments)
 @pytest.mark.parametrize("name", sorted(LAUNCHES))
 def test_send_recv_deliver_in_order_by_tag(name):
     ranks, kwargs = LAUNCHES[name]
-    results = harness.launch("tests.programs:point_to_point", ranks, timeout=180, **kwargs)
+    results = harness.launch("tests.p2p_programs:point_to_point", ranks, timeout=180, **kwargs)
     for rank, problems in enumerate(harness.values(results)):
         assert problems == {}, f"rank {rank}: {problems}"
 
@@ -25,7 +25,7 @@ def test_send_recv_deliver_in_order_by_tag(name):
 @pytest.mark.mpi
 def test_send_recv_under_mpiexec():
     harness.skip_without_mpiexec()
-    results = harness.launch_mpi("tests.programs:point_to_point", 3, env={"SMDDP_TRANSPORT": "mpi"}, timeout=180)
+    results = harness.launch_mpi("tests.p2p_programs:point_to_point", 3, env={"SMDDP_TRANSPORT": "mpi"}, timeout=180)
     for rank, problems in enumerate(harness.values(results)):
         assert problems == {}, f"rank {rank}: {problems}"
 
@@ -43,7 +43,7 @@ EXPECTED = {
 
 def test_bad_peers_raise_and_a_missing_sender_times_out():
     """(A blocking send to this very rank torch refuses itself, before the backend sees it.)"""
-    reports = harness.values(harness.launch("tests.programs:point_to_point_errors", 2, timeout=120))
+    reports = harness.values(harness.launch("tests.p2p_programs:point_to_point_errors", 2, timeout=120))
     for rank, report in enumerate(reports):
         for case, words in EXPECTED.items():
             error = report[case]
@@ -59,7 +59,7 @@ def test_bad_peers_raise_and_a_missing_sender_times_out():
 
 
 def test_a_recv_that_timed_out_before_the_link_existed_is_not_carried_out_later():
-    reports = harness.values(harness.launch("tests.programs:recv_timed_out_before_the_link", 2, timeout=120))
+    reports = harness.values(harness.launch("tests.p2p_programs:recv_timed_out_before_the_link", 2, timeout=120))
     waiting = reports[1]
     assert waiting["wait"]["type"] == "PeerFailureError", waiting
     assert waiting["wait_seconds"] < 3, waiting  # get_future's watcher waits for 8 s; this wait, 1 s
@@ -72,7 +72,7 @@ def test_pipeline_schedules_match_gloo():
     """torch.distributed.pipelining's GPipe and 1F1B schedules, one stage per rank on 3 ranks,
     move activations and gradients with send/recv: on smddp they must give gloo's losses and
     gradients exactly (the same messages; no arithmetic in the backend)."""
-    reports = harness.values(harness.launch("tests.programs:pipeline_parity", 3, timeout=180))
+    reports = harness.values(harness.launch("tests.p2p_programs:pipeline_parity", 3, timeout=180))
     for rank, report in enumerate(reports):
         for schedule, r in report.items():
             assert r["same_losses"] and r["same_grads"], (rank, schedule, r)

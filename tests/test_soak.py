@@ -50,11 +50,11 @@ JOBS = [
 def test_memory_stays_flat_over_thousands_of_collectives(transport, world, env, layout, launcher):
     if launcher == "mpi":
         harness.skip_without_mpiexec()
-        results = harness.launch_mpi("tests.programs:soak", world, env=env, timeout=600,
+        results = harness.launch_mpi("tests.soak_programs:soak", world, env=env, timeout=600,
                                      rounds=ROUNDS, checkpoints=CHECKPOINTS, compare_from=COMPARE_FROM,
                                      lines_from=LINES_FROM)
     else:
-        results = harness.launch("tests.programs:soak", world, env=env, timeout=600, **layout,
+        results = harness.launch("tests.soak_programs:soak", world, env=env, timeout=600, **layout,
                                  rounds=ROUNDS, checkpoints=CHECKPOINTS, compare_from=COMPARE_FROM,
                                      lines_from=LINES_FROM)
     rounds = (CHECKPOINTS - 1 - COMPARE_FROM) * (ROUNDS // CHECKPOINTS)

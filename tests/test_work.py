@@ -22,7 +22,7 @@ def test_ddp_with_the_powersgd_hook_matches_gloo(name):
     """The hook waits for a second all_reduce inside the first one's future callback. That
     callback runs on the communication thread, which it then waited for: a hang past the group's
     timeout on gloo and the hierarchical transport."""
-    results = harness.values(harness.launch("tests.programs:ddp_powersgd_parity", 2, timeout=120,
+    results = harness.values(harness.launch("tests.work_programs:ddp_powersgd_parity", 2, timeout=120,
                                             **LAUNCHES[name]))
     for rank, result in enumerate(results):
         assert result["max_diff"] < 1e-6, (rank, result)
@@ -35,7 +35,7 @@ def test_tensors_are_freed_when_the_caller_drops_them(name):
     """Each Work's future held the Work through its callback, a reference cycle: every call's
     tensors lived until the garbage collector ran (RSS grew 32 MB per all_reduce of 32 MB in a
     loop), and a send's gloo link stayed open after destroy_process_group."""
-    results = harness.values(harness.launch("tests.programs:tensors_freed_after_calls", 2, **LAUNCHES[name]))
+    results = harness.values(harness.launch("tests.work_programs:tensors_freed_after_calls", 2, **LAUNCHES[name]))
     for rank, freed in enumerate(results):
         assert freed == {"all_reduce": True, "all_reduce_future": True, "send_recv": True}, (rank, freed)
 
@@ -166,7 +166,7 @@ def test_ctrl_c_in_a_call_raises_keyboard_interrupt(waits):
     where the communication thread runs the call and the caller waits for its Work: the kernel
     may hand the signal to that thread, which does not wake the caller's wait (CI saw the caller
     wait for gloo's 30 s timeout once, on a loaded machine, where the thread took a plain call)."""
-    results = harness.launch("tests.programs:interrupted_call", 2, env={"SMDDP_TRANSPORT": "gloo"}, timeout=60,
+    results = harness.launch("tests.work_programs:interrupted_call", 2, env={"SMDDP_TRANSPORT": "gloo"}, timeout=60,
                              waits=waits)
     report = results[0].value
     assert report is not None, results[0].output[-3000:]
