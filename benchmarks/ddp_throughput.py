@@ -133,6 +133,11 @@ def main() -> None:
                           "step_times_s": [round(t, 5) for t in step_times], "cpu_s_per_step": cpu_per_step, "loss": loss.item(), "hosts": hosts, "env": {
                               k: v for k, v in os.environ.items() if k.startswith("SMDDP_") and k != "SMDDP_HOSTNAME"}}),
               flush=True)
+    if backend == "gloo":
+        # torch's gloo worker thread frees a finished call's tensors after its wait returned, and needs
+        # the GIL for it; where that falls into interpreter teardown, the rank dies of SIGABRT
+        # ("terminate called without an active exception", seen in CI on the no-sync variant)
+        time.sleep(0.1)
     dist.destroy_process_group()
 
 
