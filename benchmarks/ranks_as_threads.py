@@ -41,14 +41,7 @@ def in_threads(world: int) -> dict[int, dict[str, str]]:
 
     def rank(r: int) -> None:
         dist.init_process_group("smddp", store=store, rank=r, world_size=world, timeout=timedelta(seconds=120))
-        report = {}
-        for group, case_id, fn, kwargs in conformance.cases(world):
-            try:
-                problem = fn(rank=r, world=world, **kwargs)
-                report[f"{group}/{case_id}"] = "ok" if problem is None else f"FAIL: {problem}"
-            except Exception as exc:  # recorded per case, as conformance.run does
-                report[f"{group}/{case_id}"] = f"raised: {type(exc).__name__}: {str(exc)[:300]}"
-        reports[r] = report
+        reports[r] = conformance.run_cases(r, world)
         dist.destroy_process_group()
 
     try:

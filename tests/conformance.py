@@ -582,7 +582,13 @@ def run(backend: str = "smddp", device: str = "cpu") -> dict[str, str]:
         torch.cuda.set_device(0)
         DEVICE = torch.device("cuda", 0)
     smddp_lite.init(backend=backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    report = run_cases(dist.get_rank(), dist.get_world_size())
+    dist.destroy_process_group()
+    return report
+
+
+def run_cases(rank: int, world: int) -> dict[str, str]:
+    """Every case on the default group this rank (or thread) has made: "ok", "FAIL: ..." or "raised: ..."."""
     report = {}
     for group, case_id, fn, kwargs in cases(world):
         key = f"{group}/{case_id}"
@@ -591,5 +597,4 @@ def run(backend: str = "smddp", device: str = "cpu") -> dict[str, str]:
             report[key] = "ok" if problem is None else f"FAIL: {problem}"
         except Exception as exc:  # recorded per case; reference backends lack some ops
             report[key] = f"raised: {type(exc).__name__}: {str(exc)[:300]}"
-    dist.destroy_process_group()
     return report
