@@ -11,6 +11,8 @@ import copy
 import logging
 
 import pytest
+
+from . import tiers
 import torch
 
 import smddp_lite
@@ -677,6 +679,7 @@ def test_optimizer_benchmark_baselines_are_the_step_they_claim_to_be():
         torch.testing.assert_close(got.detach(), ref.detach(), rtol=1e-5, atol=1e-7)
 
 
+@tiers.FULL_ONLY
 def test_optimizer_benchmark_runs_on_cpu(tmp_path):
     """The smoke run CI makes of the GPU benchmark: every eager variant, small sizes."""
     import json
@@ -694,6 +697,7 @@ def test_optimizer_benchmark_runs_on_cpu(tmp_path):
     assert all(r["median_ms"] > 0 for r in rows)
 
 
+@tiers.FULL_ONLY
 def test_train_step_benchmark_runs_on_cpu_and_its_three_ways_agree(tmp_path):
     """The CPU smoke run of benchmarks/train_step.py: DDP on gloo, DDP on smddp and the compiled
     step train the same tiny model on the same batches, so their losses must agree (bfloat16

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from . import harness
+from . import harness, tiers
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -63,6 +63,7 @@ def test_large_16_bit_sums_in_rounds_of_pieces_are_exact(transport, world):
     assert results == [{"wrong": []}] * world, results
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("transport", ["gloo", "mpi"])
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])
 def test_a_16_bit_wire_sends_half_the_bytes_of_float32(transport, wire):
@@ -93,11 +94,13 @@ def test_a_16_bit_wire_sends_half_the_bytes_of_float32(transport, wire):
         assert 0.45 <= ratio <= 0.55, (ratio, wide["loopback_per_step"], narrow["loopback_per_step"])
 
 
+@tiers.FULL_ONLY
 def test_compile_starts_every_rank_from_rank_0s_weights_frozen_ones_included():
     results = harness.values(harness.launch("tests.compile_parallel_programs:compiled_frozen_start", 2))
     assert results[1] == results[0]
 
 
+@tiers.FULL_ONLY
 def test_every_rank_ends_with_rank_0s_batchnorm_statistics_as_under_ddp():
     """DDP broadcasts rank 0's buffers before each training forward; compile did so only once, so
     each rank's running statistics drifted with its own batches and evaluation differed by rank."""
@@ -131,6 +134,7 @@ COMPILED_APART = {
 }
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("kind", sorted(COMPILED_APART))
 def test_ranks_compiling_different_models_or_options_are_told_on_every_rank(kind):
     ranks = harness.values(harness.launch("tests.compile_parallel_programs:compiled_apart", 2,

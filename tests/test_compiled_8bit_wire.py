@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import smddp_lite
 
-from . import harness
+from . import harness, tiers
 
 
 def _problem(rank: int, width: int = 64):
@@ -75,6 +75,7 @@ def against_ddp(wire: str, steps: int, family: str = "sgd", checkpoints: tuple[i
     return result
 
 
+@tiers.FULL_ONLY
 def test_error_feedback_keeps_sgd_within_a_fixed_bound_of_float32_ddp():
     """Error feedback hands every rounding's loss to the next step, so the parameters stay
     within a bound of float32 training however long it runs. Measured on this problem (SGD,
@@ -241,6 +242,7 @@ def resume(wire: str, steps: int, stop_at: int) -> dict:
     return {"bitwise": same, "saved_residual": saved_residual, "after_loading_another_ranks": zeroed}
 
 
+@tiers.FULL_ONLY
 def test_a_checkpoint_of_each_rank_resumes_bitwise_residuals_included():
     launched = harness.launch(f"{__name__}:resume", 2, wire="int8", steps=8, stop_at=4)
     for r in harness.values(launched):
@@ -279,6 +281,7 @@ def skipped_step(wire: str) -> dict:
     return {"skipped": skipped, "finite": finite, "digest": _digest(base), "scale": scaler.get_scale()}
 
 
+@tiers.FULL_ONLY
 def test_a_step_skipped_for_an_inf_leaves_the_residuals_finite():
     ranks = harness.values(harness.launch(f"{__name__}:skipped_step", 2, wire="int8"))
     for r in ranks:
@@ -288,6 +291,7 @@ def test_a_step_skipped_for_an_inf_leaves_the_residuals_finite():
     assert ranks[0]["digest"] == ranks[1]["digest"]
 
 
+@tiers.FULL_ONLY
 def test_an_8_bit_wire_sends_about_a_quarter_of_float32s_bytes():
     """Counted on the loopback under gloo, the per-call check left out (SMDDP_CHECK_COLLECTIVES=0):
     1 byte per element and 4 per block of 256, where float32 sends 4 per element."""
@@ -317,6 +321,7 @@ def test_a_float64_model_is_refused_an_8_bit_wire():
         smddp_lite.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), wire_dtype=torch.float8_e4m3fn)
 
 
+@tiers.FULL_ONLY
 def test_the_convergence_benchmark_runs_and_reports_against_float32(tmp_path):
     """A smoke run of benchmarks/convergence.py (one seed, a few steps): every variant's curve,
     the table and its verdict against float32's spread (zero with one seed)."""

@@ -15,7 +15,7 @@ import importlib.util
 import pytest
 import torch
 
-from . import conformance, harness
+from . import conformance, harness, tiers
 
 GROUPS = sorted({group for group, *_ in conformance.cases(2)})
 HIER = {"SMDDP_ALGORITHM": "hierarchical"}
@@ -59,17 +59,22 @@ REFERENCE_GETS_WRONG = {
 }
 
 
-def _marks(name: str, launcher: str) -> list:
+# the quick tier's jobs (tests/tiers.py): each CPU transport of its own at 2 ranks
+QUICK_JOBS = {("shm", 2), ("gloo", 2), ("mpi", 2)}
+
+
+def _marks(name: str, world: int, launcher: str) -> list:
+    tier = [tiers.QUICK] if (name, world) in QUICK_JOBS else [tiers.FULL_ONLY]
     if launcher == "mpi":
-        return [pytest.mark.mpi]
+        return [pytest.mark.mpi, *tier]
     if name in ON_CUDA:
-        return [pytest.mark.gpu, NO_GPU] + ([NO_CUPY] if name == "nccl" else [])
-    return []
+        return [pytest.mark.gpu, NO_GPU, *tier] + ([NO_CUPY] if name == "nccl" else [])
+    return tier
 
 
 PARAMS = [
     pytest.param(name, world, backend, env, launcher, group, id=f"{name}-w{world}-{group}",
-                 marks=_marks(name, launcher))
+                 marks=_marks(name, world, launcher))
     for name, worlds, backend, env, launcher in TRANSPORTS
     for world in worlds
     for group in GROUPS

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from . import harness
+from . import harness, tiers
 from .test_cuda import needs_cupy, on_gpu
 
 TRANSPORTS = {
@@ -69,6 +69,7 @@ dist.destroy_process_group()
 """
 
 
+@tiers.FULL_ONLY
 def test_a_script_that_never_imports_smddp_lite_gets_the_backend(tmp_path):
     """init_process_group(backend="smddp") ended in torch's "Unknown backend type smddp" unless the
     script imported smddp_lite: scripts written for SageMaker's library import another package."""
@@ -84,6 +85,7 @@ def test_a_script_that_never_imports_smddp_lite_gets_the_backend(tmp_path):
                      "light": True}, r
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("first", ["import smddp_lite", "import torch; import smddp_lite"])
 def test_either_import_order_registers_smddp_lite_without_a_warning(first):
     """torch's import loads the entry point; when the script imported smddp_lite first, the

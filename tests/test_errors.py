@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from . import harness
+from . import harness, tiers
 
 # the behaviour with SMDDP_CHECK_COLLECTIVES=0: only the waits' comparison finds calls that differ
 UNCHECKED = {"SMDDP_CHECK_COLLECTIVES": "0"}
@@ -131,6 +131,7 @@ def test_calls_of_different_sizes_are_caught_by_default(transport):
         assert error["usable_after"] is True, (rank, error)
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("transport", ["gloo", "mpi"])
 def test_a_call_that_pairs_with_a_peers_exchange_of_sizes_is_told(transport):
     """Without SMDDP_CHECK_COLLECTIVES, rank 0's list all_gather takes the equal path and rank 1's
@@ -158,6 +159,7 @@ def test_a_call_that_pairs_with_a_peers_exchange_of_sizes_is_told(transport):
         assert words in first["usable_after"], (words, first["usable_after"])
 
 
+@tiers.FULL_ONLY
 def test_ranks_of_one_host_whose_sizes_give_the_same_share_are_told():
     """On 2 hosts x 2 ranks each host's ranks all-reduce 100000 and 99999 elements: the steps
     inside the hosts move shares of 50000 alike, so their headers alone would match, and the
@@ -173,6 +175,7 @@ def test_ranks_of_one_host_whose_sizes_give_the_same_share_are_told():
         assert error["seconds"] < 30, error
 
 
+@tiers.FULL_ONLY
 def test_ranks_of_one_host_passing_different_dtypes_to_a_hierarchical_all_gather_are_told():
     """Rank 3 passes float8, the others uint8 of the same size: the same bytes. Without
     SMDDP_CHECK_COLLECTIVES, only the step inside a host (shm) compares the ranks' calls: its
@@ -229,6 +232,7 @@ WAITING_MISMATCH_CASES = [("gloo", kind) for kind in ("op", "extra_call", "root"
 ]
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("transport,kind", WAITING_MISMATCH_CASES)
 def test_ranks_waiting_in_different_calls_raise_without_the_check(transport, kind):
     """Without SMDDP_CHECK_COLLECTIVES, ranks whose calls differ and leave them waiting for each
@@ -252,6 +256,7 @@ def test_ranks_waiting_in_different_calls_raise_without_the_check(transport, kin
         assert error["seconds"] < 10, (rank, error)
 
 
+@tiers.FULL_ONLY
 def test_a_rank_arriving_after_its_peers_found_a_mismatch_is_told():
     """Ranks 0 and 1 differ and raise after about a second; rank 2, which calls what rank 0 does,
     arrives 3 s later: it must raise the same error, not wait for the timeout (its peers have
@@ -268,6 +273,7 @@ def test_a_rank_arriving_after_its_peers_found_a_mismatch_is_told():
         assert error["seconds"] < 10, (rank, error)
 
 
+@tiers.FULL_ONLY
 def test_gloo_sizes_that_differ_abort_one_rank_and_the_other_is_told_what_to_look_for():
     """Not found by waiting: gloo aborts the rank that receives more bytes than it posted before
     anyone waits. The other rank can only see a closed connection in its next call; its error
@@ -287,6 +293,7 @@ def test_gloo_sizes_that_differ_abort_one_rank_and_the_other_is_told_what_to_loo
         assert words in error, (words, error)
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("transport", sorted(WAITING_MISMATCH_LAUNCHES))
 def test_a_slow_rank_whose_calls_match_is_not_taken_for_a_mismatch(transport):
     """Waits that last over a second compare the ranks' calls; calls that match, including one of
@@ -584,6 +591,7 @@ def test_peer_dying_during_ddp_backward_raises_on_every_survivor(transport):
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="mounting a small /dev/shm in a private mount namespace needs root and unshare")
+@tiers.FULL_ONLY
 def test_full_dev_shm_says_so_on_every_rank_instead_of_crashing():
     """A segment larger than /dev/shm's free room (Docker's is 64 MB) used to be mapped anyway,
     and the first write past the room killed the ranks with SIGBUS. Now its pages are taken at

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import smddp_lite
 
-from . import harness
+from . import harness, tiers
 
 GROUP_TIMEOUT_S = 4.0
 DEATH_BOUND_S = 5.0
@@ -158,10 +158,16 @@ def _report(error: BaseException | None, start: float, marks: Path, rank: int) -
 
 
 # the matrix ----------------------------------------------------------------------------------------
+# the quick tier's cells besides the first (tests/tiers.py): each transport at least once
+QUICK_CELLS = {("gloo", "exception"), ("hierarchical", "mismatch"), ("mpi", "sigkill_in_init")}
+
+
 def _cells():
     for transport in TRANSPORTS:
         for fault in FAULTS:
             marks = [pytest.mark.mpi] if transport == "mpi" else []
+            if (transport, fault) in QUICK_CELLS:
+                marks.append(tiers.QUICK)
             if (transport, fault) in KNOWN_GAPS:
                 marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[transport, fault]))
             yield pytest.param(transport, fault, marks=marks, id=f"{transport}-{fault}")

@@ -8,10 +8,11 @@ import json
 
 import pytest
 
-from . import harness
+from . import harness, tiers
 
-EXAMPLES = {"hf_trainer": "transformers", "accelerate_loop": "accelerate", "lightning_fit": "lightning",
-            "dcp_resume": "torch"}
+# the first, which needs torch alone, is the quick tier's (tests/tiers.py)
+EXAMPLES = {"dcp_resume": "torch", "hf_trainer": "transformers", "accelerate_loop": "accelerate",
+            "lightning_fit": "lightning"}
 
 
 def _run(example: str, backend: str, out) -> dict:

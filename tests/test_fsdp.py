@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from . import harness
+from . import harness, tiers
 
 HIER = {"SMDDP_ALGORITHM": "hierarchical", "SMDDP_HIERARCHICAL_CHUNK_BYTES": "4096"}  # several pieces per call
 
@@ -35,6 +35,7 @@ def test_fully_shard_trains_as_on_gloo(layout, param_dtype, tolerance):
         assert result["max_diff"] <= tolerance, (rank, result)
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("param_dtype", [None, "bfloat16"])
 def test_gradient_divide_factor_trains_as_on_gloo(param_dtype):
     """``set_gradient_divide_factor`` makes FSDP2 reduce-scatter with PREMUL_SUM(1 / factor), which
@@ -46,6 +47,7 @@ def test_gradient_divide_factor_trains_as_on_gloo(param_dtype):
         assert result["max_diff"] == 0.0, (rank, result)
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("param_dtype, tolerance", [(None, 1e-6), ("bfloat16", 2.0**-10)])
 def test_hybrid_sharding_across_hosts_trains_as_on_gloo(param_dtype, tolerance):
     """HSDP on 2 simulated hosts x 2 ranks: each host's ranks shard (a subgroup on shared memory,
@@ -70,6 +72,7 @@ def test_functional_collectives_find_the_group_by_its_name():
         assert result["group_name"] == results[0]["group_name"] != ""
 
 
+@tiers.FULL_ONLY
 def test_checkpoint_code_that_asks_the_group_for_its_devices_works(tmp_path):
     """Loading a full checkpoint into FSDP2 from rank 0 (broadcast_from_rank0), DCP's async_save,
     and FSDP1's optimizer state dict ask the group which devices it serves; "smddp" answered

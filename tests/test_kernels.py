@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 
 import pytest
+
+from . import tiers
 import torch
 
 from smddp_lite.kernels import adam_reference, adam_step, sgd_reference, sgd_step, step_scalars, step_scalars_reference
@@ -199,6 +201,7 @@ def test_launcher_rejects_mismatched_buffers():
                  **{**_scalars(1.0), "lr": torch.tensor([0.1, 0.2])})
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("block, num_warps", [(1024, 4), (8192, 8)])
 def test_the_adam_kernel_launch_shape_changes_nothing_but_speed(block, num_warps):
     """adam_kernel_sweep.py times other launch shapes: each element's arithmetic is the same in

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from . import harness
+from . import harness, tiers
 
 
 def _expect(results, world):
@@ -42,6 +42,7 @@ def test_mpirun_without_rank_variables(world):
     assert [v["env_rank"] for v in values] == [str(r) for r in range(world)]
 
 
+@tiers.FULL_ONLY
 @pytest.mark.mpi
 def test_mpi_subgroups_when_the_default_group_is_hierarchical():
     """mpirun over several hosts makes the default group hierarchical; a subgroup that takes MPI
@@ -57,6 +58,7 @@ def test_mpi_subgroups_when_the_default_group_is_hierarchical():
             assert report["across_hosts"] == {"transport": "mpi", "sum": [9.0] * 3}, (rank, report)
 
 
+@tiers.FULL_ONLY
 @pytest.mark.mpi
 def test_mpi_rank_slow_to_leave_is_not_killed(tmp_path):
     """MPICH tells hydra that a rank finished in a C exit handler, not in MPI_Finalize; the test
@@ -100,6 +102,7 @@ def test_group_destroyed_and_made_again_on_the_same_store(name):
         assert report["got"] == report["want"], (rank, report)
 
 
+@tiers.FULL_ONLY
 @pytest.mark.mpi
 def test_group_destroyed_and_made_again_under_mpiexec():
     harness.skip_without_mpiexec()

@@ -15,7 +15,7 @@ import pytest
 
 from smddp_lite.backend.transports.mpi_environment import cross_memory_attach_permitted
 
-from . import harness
+from . import harness, tiers
 
 FORBID = [sys.executable, str(harness.ROOT / "tests" / "forbid_process_vm_readv.py")]
 NUMEL = 1 << 20  # 4 MiB of float32: far above the size MPICH copies with one process_vm_readv
@@ -49,6 +49,7 @@ def test_mpi_job_runs_where_process_vm_readv_is_forbidden():
     assert "uses transport mpi" in results[0].output, results[0].output
 
 
+@tiers.FULL_ONLY
 @pytest.mark.mpi
 def test_one_host_job_of_mpiexec_takes_shared_memory_where_process_vm_readv_is_forbidden():
     """Without cross-memory attach MPICH is slower than the shm transport; left to choose, the
@@ -62,6 +63,7 @@ def test_one_host_job_of_mpiexec_takes_shared_memory_where_process_vm_readv_is_f
         results[0].output
 
 
+@tiers.FULL_ONLY
 @pytest.mark.mpi
 def test_mpi_job_keeps_cross_memory_attach_where_it_is_allowed():
     _needs_mpi()
@@ -72,6 +74,7 @@ def test_mpi_job_keeps_cross_memory_attach_where_it_is_allowed():
     assert all(r["exact"] == {"broadcast": True, "all_reduce": True, "all_gather": True} for r in reports), reports
 
 
+@tiers.FULL_ONLY
 @pytest.mark.mpi
 def test_mpi_error_on_one_rank_fails_every_rank_at_once():
     """With cross-memory attach forced on where it is forbidden, MPICH fails on the rank that

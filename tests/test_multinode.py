@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+
+from . import tiers
 import torch
 
 from smddp_lite.backend.transports.hierarchical import Topology
@@ -137,6 +139,7 @@ def test_one_failing_host_ends_the_job_with_its_output():
     assert "rendezvous refused on sim-host-1" in str(err.value) and "host 0: -9" in str(err.value)
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("world, hosts_of", [(6, 2), (4, 1)])
 def test_broadcast_between_more_than_two_hosts_chains_its_pieces_and_delivers_them(world, hosts_of):
     """Pieces of 4 KiB: 1 element and 1000 float32 are one piece (gloo's tree between hosts), 4097
@@ -182,6 +185,7 @@ def test_broadcast_between_more_than_two_hosts_chains_its_pieces_and_delivers_th
     ("all_reduce-avg", "float16", None, 1.0),
     ("reduce_scatter-avg", "float16", None, 0.5),
 ])
+@tiers.FULL_ONLY
 def test_hierarchical_collectives_send_each_byte_between_hosts_once(op, dtype, wire, share):
     # 2 hosts x 2 ranks. reduce_scatter: a host sends the half of the blocks the other host's
     # ranks own, reduced inside the host, in the wire dtype (float32 where none is set).
@@ -239,6 +243,7 @@ def test_an_8_bit_wire_loosens_the_benchmarks_check_to_two_quantizations_and_not
     assert quantized_wire_bound(ranks, job) is None
 
 
+@tiers.FULL_ONLY
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
 def test_collectives_sweep_on_chosen_configurations(tmp_path):
     out = tmp_path / "sweep"
@@ -285,6 +290,7 @@ def test_auto_is_hierarchical_but_for_small_rounded_sums_and_small_broadcasts(wi
     assert not any("all_gather" in line and "runs flat" in line for line in routes), routes
 
 
+@tiers.FULL_ONLY
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
 @pytest.mark.parametrize("per_host", [1, 2])
 def test_a_rank_dying_on_another_host_is_named_by_the_gloo_transport(per_host):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from . import harness
+from . import harness, tiers
 
 LAUNCHES = {  # name: (ranks, launch arguments)
     "shm-2": (2, {"env": {"SMDDP_TRANSPORT": "shm"}}),
@@ -22,6 +22,7 @@ def test_send_recv_deliver_in_order_by_tag(name):
         assert problems == {}, f"rank {rank}: {problems}"
 
 
+@tiers.FULL_ONLY
 @pytest.mark.mpi
 def test_send_recv_under_mpiexec():
     harness.skip_without_mpiexec()
@@ -68,6 +69,7 @@ def test_a_recv_that_timed_out_before_the_link_existed_is_not_carried_out_later(
     assert reports[0]["send"]["backend_error"], reports[0]
 
 
+@tiers.FULL_ONLY
 def test_pipeline_schedules_match_gloo():
     """torch.distributed.pipelining's GPipe and 1F1B schedules, one stage per rank on 3 ranks,
     move activations and gradients with send/recv: on smddp they must give gloo's losses and

@@ -13,7 +13,7 @@ import torch
 from smddp_lite.config import BackendConfig
 from smddp_lite.kernels.quantize import FORMATS
 
-from . import harness
+from . import harness, tiers
 
 
 def _inputs(rank: int, numel: int) -> torch.Tensor:
@@ -119,6 +119,7 @@ def repeated_calls() -> dict:
     return {"digests": digests, "kept": kept}
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("wire", ["int8", "bfloat16"])
 def test_kept_working_buffers_give_the_bits_of_fresh_ones_call_after_call(wire):
     """The hierarchical transport keeps each piece's working buffers from call to call

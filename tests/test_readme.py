@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from . import harness
+from . import harness, tiers
 
 DOCUMENTS = ["README.md", "docs/compiled-step.md", "docs/surviving.md"]
 
@@ -23,6 +23,7 @@ def _python_examples() -> dict[str, str]:
     return examples
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("where", list(_python_examples()))
 def test_python_examples_run_on_two_cpu_ranks_without_a_warning(tmp_path, where):
     """The compiled-step example built a GradScaler("cuda"), which warns on a CPU machine."""

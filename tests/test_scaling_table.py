@@ -11,6 +11,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import scaling  # noqa: E402
 
+from . import tiers  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -35,6 +37,7 @@ def test_an_adamw_table_takes_the_adamw_limit_and_a_missing_limit_shows_a_dash(t
     assert "of the no-sync-adamw limit" in table and "| 2.50x | - |" in table, table
 
 
+@tiers.FULL_ONLY
 def test_the_no_sync_limit_runs_as_the_other_variants_do():
     """Two local ranks, no gradient sync: it runs under torchrun and reports as the others do."""
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -7,7 +7,7 @@ import pytest
 
 from smddp_lite.config import compile_config
 
-from . import harness
+from . import harness, tiers
 
 PROGRAMS = "tests.sharded_programs"
 
@@ -59,6 +59,7 @@ def test_sharded_step_matches_ddp_on_every_cpu_transport(transport, world, layou
                            **layout), 1e-5)
 
 
+@tiers.FULL_ONLY
 def test_each_rank_holds_a_third_of_the_optimizer_state_at_3_ranks():
     """AdamW's moments on a model of 41,005 parameters in buckets of 5,005 (padded to 5,007) and 36,000;
     unsharded, both buckets lie in one arena, the second starting at a multiple of 128 elements."""
@@ -69,6 +70,7 @@ def test_each_rank_holds_a_third_of_the_optimizer_state_at_3_ranks():
         assert s["torch"] / 3 <= s["sharded"] <= s["torch"] / 3 + s["padding_bytes_per_bucket"], (rank, s)
 
 
+@tiers.FULL_ONLY
 def test_checkpoints_move_between_sharded_unsharded_and_torch_and_across_world_sizes(tmp_path):
     """state_dict() is torch.optim's full format on every rank; it loads into AdamW (under DDP)
     and an unsharded compiled step, theirs into a sharded one, and a 2-rank checkpoint resumes
@@ -81,11 +83,13 @@ def test_checkpoints_move_between_sharded_unsharded_and_torch_and_across_world_s
         assert r["max_diff"] <= 1e-5, (rank, r)
 
 
+@tiers.FULL_ONLY
 def test_torch_distributed_checkpoint_saves_and_resumes_a_sharded_step(tmp_path):
     for rank, r in enumerate(_values(2, "distributed_checkpoint", directory=str(tmp_path / "dcp"))):
         assert r["max_diff"] == 0.0, (rank, r)
 
 
+@tiers.FULL_ONLY
 def test_compiling_again_after_unfreezing_carries_the_sharded_state_over():
     for rank, r in enumerate(_values(2, "compile_again_after_unfreezing")):
         assert r["max_diff"] <= 1e-6, (rank, r)
@@ -98,6 +102,7 @@ def test_the_option_comes_from_the_environment_and_is_checked():
         compile_config({}, {"SMDDP_SHARD_OPTIMIZER_STATE": "maybe"})
 
 
+@tiers.FULL_ONLY
 def test_a_forward_waits_for_the_gathers_of_its_own_parameters_only():
     """The gathers of updated shares overlap the next forward: on a GPU they run on the
     communication stream, so a layer must wait for its own buckets before it reads them."""
@@ -108,6 +113,7 @@ def test_a_forward_waits_for_the_gathers_of_its_own_parameters_only():
         assert seen["after state_dict"] == [], seen
 
 
+@tiers.FULL_ONLY
 def test_a_state_dict_called_on_one_rank_only_is_told_not_waited_out():
     ranks = _values(2, "state_dict_on_one_rank")
     assert ranks[1]["error"] is None
@@ -127,6 +133,7 @@ def test_an_optimizer_the_fused_step_does_not_support_is_refused_by_name():
         smddp_lite.compile(model, torch.optim.RMSprop(model.parameters()), shard_optimizer_state=True)
 
 
+@tiers.FULL_ONLY
 def test_the_sharded_step_benchmark_runs_and_its_variants_train_alike():
     """The CPU smoke run of benchmarks/sharded_step.py: the five variants train the same model on
     the same batches, so they end together; the sharded one holds half the state at 2 ranks."""

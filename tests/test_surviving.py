@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from . import harness
+from . import harness, tiers
 from .surviving_programs import LR, batch, model
 
 STEPS, FAULT_STEP, GROUP_TIMEOUT_S = 14, 5, 4.0
@@ -91,6 +91,7 @@ def test_survivors_go_on_together_after_a_rank_is_lost(transport, kind, tmp_path
     assert set(Path("/dev/shm").glob("smddp-*")) <= before, "a segment was left in /dev/shm"
 
 
+@tiers.FULL_ONLY
 def test_a_rank_that_comes_back_after_being_declared_lost_is_refused(tmp_path):
     results = _run("shm", {"1": ["sigstop_resume", FAULT_STEP]}, tmp_path)
     back = results[1]
@@ -102,6 +103,7 @@ def test_a_rank_that_comes_back_after_being_declared_lost_is_refused(tmp_path):
         assert r.value["checksums"] == results[0].value["checksums"]
 
 
+@tiers.FULL_ONLY
 def test_too_few_ranks_left_stops_every_survivor_with_a_clear_error(tmp_path):
     results = _run("shm", {"1": ["exit", FAULT_STEP]}, tmp_path, min_world_size=3)
     for r in (results[0], results[2]):
@@ -126,6 +128,7 @@ REPLACEMENT_BOUND_S = 10.0  # from the replacement's start to its first sync don
 REPLACE_STEPS, STEP_S = 60, 0.25
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("transport", ["shm", "hierarchical"])
 def test_a_replacement_joins_and_the_group_grows_back(transport, tmp_path):
     before = set(Path("/dev/shm").glob("smddp-*"))
