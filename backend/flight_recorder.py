@@ -1,10 +1,8 @@
 """The flight recorder: every group's last calls, dumped in the format torch's analyzer reads.
 
 torch's backends keep a ring of their last N calls per process (``TORCH_FR_BUFFER_SIZE``, 2000 by
-default; here 0, off, unless a variable sets it: recording a call costs about 3.4 us of CPU in
-Python, 2.3 without stack traces, 1.10x a 256 B shared-memory all_reduce's median on a shared
-2-core VM, against the 5% a default may cost: benchmarks/results/2026-11-29-flight-recorder-cost.md)
-and ``python -m torch.distributed.flight_recorder.fr_trace`` reads one dump per rank and names the
+default, as here; 0 turns it off) and ``python -m torch.distributed.flight_recorder.fr_trace``
+reads one dump per rank and names the
 rank and the call where a group went apart. torch's C++ recorder takes no entries from
 a Python backend, so this module keeps the same ring and writes the same pickle (version "2.10",
 the keys ``fr_trace``'s loader and matcher read). The process group hands each call to ``track``,
@@ -68,10 +66,9 @@ def _flag(env, names: tuple[str, ...], default: bool) -> bool:
 class RecorderSettings:
     """What torch's variables say about the recorder; read once per group (``from_env``)."""
 
-    buffer_size: int = 0
+    buffer_size: int = 2000
     """Calls kept per process (TORCH_FR_BUFFER_SIZE, or TORCH_NCCL_TRACE_BUFFER_SIZE; torch's
-    default is 2000); 0 turns the recorder off and every call then skips it. Off unless set: see
-    the module's docstring for its cost."""
+    default too); 0 turns the recorder off and every call then skips it."""
     dump_prefix: str = "/tmp/nccl_trace_rank_"
     """Each rank writes ``<prefix><global rank>`` (TORCH_FR_DUMP_TEMP_FILE, or
     TORCH_NCCL_DEBUG_INFO_TEMP_FILE), the names fr_trace infers the rank from."""
@@ -289,19 +286,69 @@ def dump(include_collectives: bool = True, include_stack_traces: bool | None = N
 
 def write(path: str | None = None) -> str:
     """Write this process's record to ``path`` (by default ``<TORCH_FR_DUMP_TEMP_FILE><global rank>``,
-    the name fr_trace reads) through a temporary name, so a reader never sees half a file."""
+    the name fr_trace reads). A reader never sees half a file, and a process ended while it writes
+    (as a launcher ends the rest of a failed job) leaves nothing that the analyzer would read."""
     settings = RecorderSettings.from_env()
     path = path or f"{settings.dump_prefix}{_PROCESS.global_rank}"
     # one writer at a time: a failed call's dump and a watcher's may overlap (the first dump of a
-    # process takes a second or more, see _frames), and both write the same temporary name
+    # process takes a second or more, see _frames)
     with _WRITE_LOCK:
         data = _PROCESS.dump(settings)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        partial = f"{path}.{os.getpid()}.tmp"
-        with open(partial, "wb") as f:
-            f.write(data)
-        os.replace(partial, path)
+        _publish(path, data)
     return path
+
+
+def _publish(path: str, data: bytes) -> None:
+    """Put ``data`` at ``path`` whole, or leave the folder as it was.
+
+    fr_trace reads every file under the folder whose name holds the prefix, so a temporary name
+    beside the dump (``trace_1.<pid>.tmp``) made it fail when a process died mid-write. The data
+    goes first into a file with no name (O_TMPFILE), which vanishes with the process, and gets
+    its name only once written; where the system cannot do that, into a hidden name that holds
+    no prefix and ends in no rank number, which the analyzer passes over."""
+    folder = os.path.dirname(path) or "."
+    hidden = os.path.join(folder, f".smddp-fr-{os.getpid()}-{threading.get_ident()}.partial")
+    if _publish_unnamed(folder, path, hidden, data):
+        return
+    with open(hidden, "wb") as f:
+        f.write(data)
+    os.replace(hidden, path)
+
+
+def _publish_unnamed(folder: str, path: str, hidden: str, data: bytes) -> bool:
+    """``_publish`` through an unnamed file; False where this system cannot make or name one."""
+    try:
+        fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o644)
+    except (AttributeError, OSError):  # not Linux, or a file system without unnamed files
+        return False
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+        # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N names an unnamed file; os.link makes that
+        # call only when given a folder's descriptor (plain link() refuses: EXDEV)
+        proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            try:
+                os.link(f"self/fd/{fd}", path, src_dir_fd=proc)  # the name comes with the whole file
+            except FileExistsError:  # a later dump of this process replaces its earlier one
+                os.link(f"self/fd/{fd}", hidden, src_dir_fd=proc)
+                os.replace(hidden, path)
+        finally:
+            os.close(proc)
+    except OSError:  # no /proc, or a system that cannot name the file: the hidden name then
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _write_soon() -> None:
+    """``_write_or_warn()`` on a thread of its own, so that the failure that asks for a dump is
+    raised at once: the first dump of a process takes a second or more (see _frames), which
+    made errors late by that much. The thread is not a daemon: a process that ends with that
+    error (its exception uncaught) waits for the dump before it exits."""
+    threading.Thread(target=_write_or_warn, name="smddp-fr-dump").start()
 
 
 def _write_or_warn() -> None:
@@ -401,7 +448,7 @@ class GroupRecorder:
             return
         with self._dump_claim:  # before writing: a watcher that hears a peer now leaves it to this call
             self._dumped.set()
-        _write_or_warn()  # the failure itself still raises
+        _write_soon()  # the failure itself raises now
         try:
             if self._store is not None:
                 self._store.set(_SIGNAL_KEY, reason[:2000])
@@ -425,9 +472,8 @@ class GroupRecorder:
                     if self._dumped.is_set():  # this rank's own failure dumped, or is dumping
                         return
                     self._dumped.set()
-                # a failure of this rank from now on writes after this dump (write() takes turns),
-                # so none is still being written once the failed call has raised
-                _write_or_warn()
+                # a failure of this rank from now on writes after this dump (write() takes turns)
+                _write_soon()
                 return
 
     def close(self) -> None:

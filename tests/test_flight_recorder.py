@@ -7,43 +7,57 @@ its output must name rank 1 and the call.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import io
+import logging
+import os
 import pickle
-import subprocess
-import sys
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
-from . import harness
+from . import harness, tiers
 from .flight_recorder_programs import PREFIX
 
-# torch's analyzer compares every rank with the first dump it loads, in the order the folder
-# lists them (ext4 lists by a hash of the name); if that is the culprit's, it names every other
-# rank instead. The drill lists the folder in name order (rank 0 first), as tmpfs and most
-# listings do, and leaves the analyzer itself as torch ships it.
-_ANALYZE = """
-import os, sys
-walk = os.walk
-os.walk = lambda *a, **k: ((root, sorted(dirs), sorted(files)) for root, dirs, files in walk(*a, **k))
-from torch.distributed.flight_recorder.fr_trace import main
-main(sys.argv[1:])
-"""
-
-ON = {"TORCH_FR_BUFFER_SIZE": "2000"}  # torch's default size; smddp's recorder is off unless set
-CELLS = {  # transport: (launch options, world size for each case)
-    "shm": (dict(env={"SMDDP_TRANSPORT": "shm", **ON}), 2),
-    "gloo": (dict(env={"SMDDP_TRANSPORT": "gloo", **ON}), 2),
-    "hierarchical": (dict(env={"SMDDP_ALGORITHM": "hierarchical", **ON}, hosts_of=2), 4),
+CELLS = {  # transport: (launch options, world size for each case); the recorder is on by default
+    "shm": (dict(env={"SMDDP_TRANSPORT": "shm"}), 2),
+    "gloo": (dict(env={"SMDDP_TRANSPORT": "gloo"}), 2),
+    "hierarchical": (dict(env={"SMDDP_ALGORITHM": "hierarchical"}, hosts_of=2), 4),
     # mpiexec ends every rank when one dies unless told not to: the survivors must live to dump
-    "mpi": (dict(env={"SMDDP_TRANSPORT": "mpi", **ON}, launcher_flags=("-disable-auto-cleanup",)), 2),
+    "mpi": (dict(env={"SMDDP_TRANSPORT": "mpi"}, launcher_flags=("-disable-auto-cleanup",)), 2),
 }
 
 
 def analyze(folder: Path, *flags: str) -> str:
-    done = subprocess.run([sys.executable, "-c", _ANALYZE, str(folder), *flags], capture_output=True, text=True,
-                          timeout=120, cwd=harness.ROOT)
-    return done.stdout + done.stderr
+    """What torch's fr_trace says of the folder: its output and log, or how it failed. Run in this
+    process (a fresh Python would import torch again, 2 s each time).
+
+    torch's analyzer compares every rank with the first dump it loads, in the order the folder
+    lists them (ext4 lists by a hash of the name); if that is the culprit's, it names every other
+    rank instead. Here the folder is listed in name order (rank 0 first), as tmpfs and most
+    listings do, and the analyzer itself is left as torch ships it."""
+    from torch.distributed.flight_recorder import fr_trace
+
+    said = io.StringIO()
+    handler = logging.StreamHandler(said)
+    logger = logging.getLogger("Flight Recorder")
+    walk, gc_was_on = os.walk, gc.isenabled()  # its loader turns the garbage collector off for good
+    os.walk = lambda *a, **k: ((root, sorted(dirs), sorted(files)) for root, dirs, files in walk(*a, **k))
+    logger.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            fr_trace.main([str(folder), *flags])
+    except BaseException:  # what a fresh process would have printed as it exited
+        said.write(traceback.format_exc())
+    finally:
+        logger.removeHandler(handler)
+        os.walk = walk
+        if gc_was_on:
+            gc.enable()
+    return said.getvalue()
 
 
 @pytest.mark.parametrize("case", ["skip", "op", "size", "stop", "die"])
@@ -60,7 +74,8 @@ def test_the_analyzer_names_the_rank_and_the_call(transport, case, tmp_path):
     else:
         results = harness.launch("tests.flight_recorder_programs:drill", world, case=case, culprit=1,
                                  dump_dir=str(tmp_path), timeout=90, **options)
-    dumped = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(PREFIX) and "." not in p.name)
+    # every rank still alive dumped, and nothing else is in the folder: no file half written
+    dumped = sorted(p.name for p in tmp_path.iterdir())
     alive = [r for r in range(world) if case != "die" or r != 1]
     assert dumped == [f"{PREFIX}{r}" for r in alive], (dumped, [(r.rank, r.value, r.output[-2000:]) for r in results])
     if case == "die":
@@ -89,8 +104,7 @@ def test_the_analyzer_names_the_rank_and_the_call(transport, case, tmp_path):
 def test_a_dump_on_demand_holds_what_torch_records(tmp_path):
     """What gloo's _dump_fr_trace holds for the same calls: four entries, sequence ids 1-4, sizes,
     dtypes and states, the group's name, description and ranks; and the analyzer reads it."""
-    reports = harness.values(harness.launch("tests.flight_recorder_programs:on_demand", 2, dump_dir=str(tmp_path),
-                                            env=ON))
+    reports = harness.values(harness.launch("tests.flight_recorder_programs:on_demand", 2, dump_dir=str(tmp_path)))
     for report in reports:
         assert report["names"] == ["gloo:all_reduce"] * 3 + ["gloo:_all_gather_base"], report
         assert report["seq"] == [1, 2, 3, 4] and report["states"] == ["completed"] * 4, report
@@ -110,9 +124,8 @@ def test_the_profiler_shows_each_collective_with_its_bytes():
 def test_settings_follow_torchs_variables():
     from smddp_lite.backend.flight_recorder import RecorderSettings
 
-    # off unless asked: recording costs about 3.4 us a call in Python, over 5% of a small call
-    # (benchmarks/results/2026-11-29-flight-recorder-cost.md)
-    assert RecorderSettings.from_env({}) == RecorderSettings(buffer_size=0)
+    # on by default, with torch's size
+    assert RecorderSettings.from_env({}) == RecorderSettings(buffer_size=2000)
     assert RecorderSettings.from_env({"TORCH_FR_BUFFER_SIZE": "2000"}).buffer_size == 2000
     assert RecorderSettings.from_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}).buffer_size == 0
     said = RecorderSettings.from_env({"TORCH_FR_BUFFER_SIZE": "5", "TORCH_NCCL_TRACE_BUFFER_SIZE": "7",
@@ -218,3 +231,39 @@ def test_stacks_start_at_the_groups_caller_and_follow_torchs_variable(monkeypatc
     flight_recorder, recorder = _recorder(monkeypatch, 4, include_stack_traces=False)  # TORCH_INCLUDE_STACK_TRACE=0
     _caller_of_the_group(recorder, torch.ones(1))
     assert _entries(flight_recorder)[0]["frames"] == []
+
+
+# A user's job under torchrun where rank 1 skips a call: rank 0's call times out, dumps and
+# raises, and torchrun ends rank 1 while its watcher may still be writing its own dump.
+_SKIPPING_JOB = """
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import smddp_lite
+os.environ["TORCH_FR_DUMP_TEMP_FILE"] = sys.argv[1]
+dist.init_process_group("smddp", timeout=timedelta(seconds=2))
+t = torch.ones(8)
+dist.all_reduce(t)
+dist.all_reduce(t)
+if dist.get_rank() == 1:
+    time.sleep(60)
+dist.all_reduce(t)
+"""
+
+
+@tiers.FULL_ONLY
+def test_a_job_ended_by_its_launcher_mid_dump_leaves_only_whole_dumps(tmp_path):
+    """Whatever moment torchrun ends rank 1 at, the folder holds whole dumps and nothing else,
+    and the analyzer reads it and names the rank that skipped the call."""
+    script, folder = tmp_path / "job.py", tmp_path / "dumps"
+    script.write_text(_SKIPPING_JOB)
+    folder.mkdir()
+    run = harness.torchrun([str(script), f"{folder}/trace_"], cwd=tmp_path, timeout=120)
+    assert run.returncode != 0, run.stdout + run.stderr
+    left = sorted(p.name for p in folder.iterdir())
+    assert left in (["trace_0"], ["trace_0", "trace_1"]), (left, run.stderr[-3000:])
+    for name in left:
+        pickle.loads((folder / name).read_bytes())  # whole
+    said = analyze(folder, *(["--allow-incomplete-ranks"] if left == ["trace_0"] else []))
+    assert "Traceback" not in said, said
+    assert "missing ranks: {1}" in said or "missed FR dumps from ranks ({1})" in said, said
