@@ -33,6 +33,7 @@ def test_compiled_matches_ddp(world, wire, clip, on_completion):
     assert results[0]["losses"]["compiled"][-1] < results[0]["losses"]["compiled"][0]
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("transport", ["gloo", "mpi"])
 def test_a_16_bit_wire_matches_ddp_on_transports_that_sum_in_float32_themselves_not(transport):
     """gloo and MPI cannot sum 16-bit floats in float32: the buckets' 16-bit pieces are

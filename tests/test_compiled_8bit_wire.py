@@ -144,6 +144,7 @@ def one_average(wire: str) -> dict:
     (4, dict(hosts_of=2)),  # 2 hosts of 2: reduced inside each host, then quantized between them
     (6, dict(interleaved_hosts=2)),  # 2 hosts of 3, ranks dealt to them in turn
 ])
+@tiers.FULL_ONLY
 def test_the_averaged_gradient_is_within_two_roundings_of_float32s(world, hosts):
     """Each value is rounded at most twice, each time by at most half a step of its block's
     scale (the block's largest magnitude / 127): under 1/127 of the largest average in all. A

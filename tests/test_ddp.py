@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from . import harness
+from . import harness, tiers
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -25,6 +25,7 @@ def test_ddp_matches_gloo(world):
     assert losses[-1] < losses[0], losses
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("divide", [True, False], ids=["initial-world-size", "ranks-left"])
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_ddp_join_trains_ranks_with_uneven_inputs_to_the_same_end(transport, divide):

@@ -612,6 +612,7 @@ def test_full_dev_shm_says_so_on_every_rank_instead_of_crashing():
         assert error["seconds"] < 30, (rank, error)
 
 
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("transport", sorted(TRANSPORT_ENVS))
 def test_stuck_peer_times_out_with_the_group_timeout(transport):
     results = harness.launch("tests.errors_programs:peer_stuck", 2, env=TRANSPORT_ENVS[transport])

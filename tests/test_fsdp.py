@@ -60,6 +60,7 @@ def test_hybrid_sharding_across_hosts_trains_as_on_gloo(param_dtype, tolerance):
         assert result["max_diff"] <= tolerance, (rank, result)
 
 
+@tiers.FULL_ONLY
 def test_functional_collectives_find_the_group_by_its_name():
     # DTensor (FSDP2's parameters), tensor parallelism and compiled code call these; before the
     # group kept its name, each raised "ProcessGroup name not set"

@@ -53,6 +53,7 @@ def test_sharded_step_matches_ddp(world, options, bound):
     ("mpi", 2, {}, "mpi"),
     ("hierarchical", 4, {"hosts_of": 2}, "env"),
 ])
+@tiers.FULL_ONLY
 def test_sharded_step_matches_ddp_on_every_cpu_transport(transport, world, layout, launcher):
     env = {"SMDDP_ALGORITHM": "hierarchical"} if transport == "hierarchical" else {"SMDDP_TRANSPORT": transport}
     _assert_parity(_values(world, "parity", env=env, launcher=launcher, family="adamw", clip=0.5, scaler=True,

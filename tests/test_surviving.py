@@ -113,6 +113,7 @@ def test_too_few_ranks_left_stops_every_survivor_with_a_clear_error(tmp_path):
         assert len(r.value["checksums"]) == FAULT_STEP
 
 
+@tiers.FULL_ONLY
 def test_without_a_loss_it_averages_as_ddp_does(tmp_path):
     results = _run("shm", {}, tmp_path)
     reference = _reference(3, None)
