@@ -13,6 +13,10 @@ round); ``--profile`` adds where that time goes in the first backend (cProfile, 
         --op all_reduce,all_gather --modes sync,async --calls 4000
 
 A backend may carry settings for its group: ``--backends smddp:SMDDP_TRANSPORT=gloo:SMDDP_CHECK_COLLECTIVES=0,gloo``.
+Under mpiexec, ``mpi4py`` as a backend times MPI's own calls on the same buffers (``Allreduce``,
+``Allgather``, ``Barrier``, ``Send``/``Recv``; no process group), the floor the others are held to:
+
+    mpiexec -n 2 python benchmarks/latency.py --backends mpi4py,smddp:SMDDP_TRANSPORT=shm,gloo --bytes 8
 ``--op pingpong`` times round trips between ranks 0 and 1 (rank 0 sends, rank 1 sends back;
 other ranks wait at the end); ``--op barrier`` times barriers (``--bytes`` is then unused).
 ``--modes sync,async`` times each op both ways: a blocking call, and ``async_op=True`` then
@@ -35,6 +39,35 @@ import smddp_lite
 
 
 OPS = ("all_reduce", "all_gather", "barrier", "pingpong")
+MPI_DIRECT = "mpi4py"  # MPI's own calls, no process group (see the module's docstring)
+
+
+def _mpi_call(op: str, mode: str, tensor: torch.Tensor, gathered: torch.Tensor) -> None:
+    """``op`` as MPI's own call on the tensors' memory (CPU only), blocking or started and waited."""
+    from mpi4py import MPI
+
+    comm, data, out = MPI.COMM_WORLD, tensor.numpy(), gathered.numpy()
+    if op == "all_reduce":
+        if mode == "async":
+            comm.Iallreduce(MPI.IN_PLACE, data, op=MPI.SUM).Wait()
+        else:
+            comm.Allreduce(MPI.IN_PLACE, data, op=MPI.SUM)
+    elif op == "all_gather":
+        if mode == "async":
+            comm.Iallgather(data, out).Wait()
+        else:
+            comm.Allgather(data, out)
+    elif op == "barrier":
+        if mode == "async":
+            comm.Ibarrier().Wait()
+        else:
+            comm.Barrier()
+    elif comm.Get_rank() == 0:
+        comm.Send(data, 1)
+        comm.Recv(data, 1)
+    elif comm.Get_rank() == 1:
+        comm.Recv(data, 0)
+        comm.Send(data, 0)
 
 
 def profile_table(profile: cProfile.Profile, calls: int, what: str, rows: int = 45) -> str:
@@ -79,7 +112,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3000, help="timed calls per backend")
     parser.add_argument("--rounds", type=int, default=6, help="alternations between backends")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--profile", metavar="PATH", help="write a cProfile of the first backend's calls here")
+    parser.add_argument("--profile", metavar="PATH",
+                        help="write a cProfile of the calls of the first torch.distributed backend here")
     parser.add_argument("--op", default="all_reduce",
                         help="what one timed call is, comma-separated for several: all_reduce, all_gather "
                              "(all_gather_into_tensor), barrier, or pingpong (a send/recv round trip between "
@@ -96,11 +130,18 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)  # before init, so NCCL-like backends bind this GPU
     settle = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if all(_backend_and_settings(entry)[0] == MPI_DIRECT for entry in backends):
+        raise SystemExit(f"--backends: name a torch.distributed backend beside {MPI_DIRECT} (it makes the job's group)")
+    if MPI_DIRECT in (_backend_and_settings(entry)[0] for entry in backends) and args.device != "cpu":
+        raise SystemExit(f"--backends: {MPI_DIRECT} times CPU buffers only (--device cpu)")
     groups = {}
     for entry in backends:
         backend, settings = _backend_and_settings(entry)
+        if backend == MPI_DIRECT:
+            groups[entry] = MPI_DIRECT
+            continue
         with _environment(settings):  # smddp reads its SMDDP_* settings as each group starts
-            if not groups:
+            if not dist.is_initialized():
                 smddp_lite.init(backend=backend)
                 groups[entry] = dist.group.WORLD
             else:
@@ -120,6 +161,8 @@ def main() -> None:
     rank = dist.get_rank()
 
     def call(op: str, mode: str, group) -> None:
+        if group is MPI_DIRECT:
+            return _mpi_call(op, mode, tensor, gathered)
         async_op = mode == "async"
         if op == "all_reduce":
             work = dist.all_reduce(tensor, group=group, async_op=async_op)
@@ -157,12 +200,12 @@ def main() -> None:
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(args.calls // args.rounds):
-            call(op, mode, dist.group.WORLD)  # the first backend's group
+            call(op, mode, dist.group.WORLD)  # the job's group: the first torch.distributed backend's
         settle()
         profile.disable()
         if dist.get_rank() == 0:
             with open(args.profile, "w") as f:
-                f.write(profile_table(profile, args.calls // args.rounds, f"{mode} {op} calls of {backends[0]} "
+                f.write(profile_table(profile, args.calls // args.rounds, f"{mode} {op} calls of {next(b for b, g in groups.items() if g is dist.group.WORLD)} "
                                       f"on {device}, rank 0"))
     dist.barrier()  # ranks other than 0 and 1 had nothing to time in a ping-pong
     if dist.get_rank() == 0:
