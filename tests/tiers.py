@@ -39,7 +39,7 @@ def in_quick_tier(items: list) -> list:
     """The items the quick tier runs, in their order (see the module's docstring)."""
     chosen, seen = [], set()
     for item in items:
-        function = (item.nodeid.split("[", 1)[0])
+        function = item.nodeid.split("[", 1)[0]
         first = function not in seen
         seen.add(function)
         if item.get_closest_marker("full") is not None:
