@@ -8,7 +8,9 @@ import socket
 
 import torch.distributed as dist
 
-_HOST = socket.gethostname()
+from . import sagemaker_host
+
+_HOST = sagemaker_host.current_host() or socket.gethostname()
 
 
 @functools.lru_cache(maxsize=None)  # a handful of (rank, size, op) per group; made on every call's Work

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from . import sagemaker_host
 from .errors import PeerFailureError, SMDDPError
 from .ops import flat_view, moved_as_bytes
 from .work import FutureOnRequest, complete_with_none
@@ -182,6 +183,7 @@ class _PairLink:
                          name=f"smddp-p2p-{low}-{high}").start()
 
     def _make(self, store, rank_in_pair: int, timeout: timedelta) -> None:
+        sagemaker_host.use_job_interface_for_gloo()
         try:
             group = dist.ProcessGroupGloo(store, rank_in_pair, 2, timeout)
             error = None

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import numerics
+from .. import numerics, sagemaker_host
 from ..call import Call
 from ..errors import PeerFailureError, ranks_said
 from ..ops import LOW_PRECISION, RedOp
@@ -68,6 +68,7 @@ class GlooTransport(Transport):
         shown_rank = self.peers_shown[rank] if self.peers_shown else rank
         self._local_peers = LocalPeers(store, shown_rank)
         self._peer_hosts = PeerHosts(store, shown_rank)
+        sagemaker_host.use_job_interface_for_gloo()
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
         # every rank published before gloo's rendezvous let this one through
         self._local_peers.learn()

@@ -16,6 +16,8 @@ import re
 import socket
 import struct
 
+from .. import sagemaker_host
+
 _KEY = "peer_hosts"
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 # gloo's "[address]:port" in a pair's error text
@@ -47,7 +49,7 @@ class PeerHosts:
     def __init__(self, store, shown_rank: int) -> None:
         self._store = store
         self._hosts: dict[int, tuple[str, set[str]]] = {}
-        store.append(_KEY, f"{shown_rank} {socket.gethostname()} {','.join(host_addresses())};")
+        store.append(_KEY, f"{shown_rank} {sagemaker_host.current_host() or socket.gethostname()} {','.join(host_addresses())};")
 
     def learn(self) -> None:
         for entry in self._store.get(_KEY).decode().split(";"):

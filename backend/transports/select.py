@@ -8,6 +8,7 @@ import platform
 import socket
 
 from .. import agreement
+from .. import sagemaker_host
 from ..errors import where
 from .base import Transport
 from .hierarchical import Topology
@@ -26,8 +27,10 @@ def launched_by_mpi() -> bool:
 
 
 def host_name(config) -> str:
-    """The host identity used to find ranks that can share memory (SMDDP_HOSTNAME overrides)."""
-    return config.hostname or socket.gethostname()
+    """The host identity used to find ranks that can share memory: SMDDP_HOSTNAME, else the
+    host's name in a SageMaker job (whose containers' own names may not tell hosts apart), else
+    the hostname."""
+    return config.hostname or sagemaker_host.current_host() or socket.gethostname()
 
 
 def _shm_possible() -> bool:
