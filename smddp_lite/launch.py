@@ -176,3 +176,26 @@ def _set_by_mpi_rendezvous() -> bool:
     timed out or were reset now and then. Only these two are compared, so that every rank decides
     alike when code rewrites MASTER_ADDR or the like on some ranks."""
     return bool(_MPI_ENV) and all(os.environ.get(k) == _MPI_ENV[k] for k in ("RANK", "WORLD_SIZE"))
+
+
+_HELD_STORE: list[dist.Store] = []
+"""The store an MPI meeting for env:// opened: rank 0's process serves it for the whole job."""
+
+
+def meet_for_env_rendezvous(timeout: timedelta | None = None) -> None:
+    """Under an MPI launcher that set no ``RANK``/``WORLD_SIZE``, meet through MPI now, so that a
+    later ``dist.init_process_group(backend="smddp")`` (env://, torch's default) finds them, and
+    ``MASTER_ADDR``/``MASTER_PORT``, set.
+
+    This is what scripts written for AWS's library need: SageMaker's "smdistributed dataparallel"
+    distribution starts them with mpirun, and they call ``init_process_group`` with no
+    ``init_method``. Rank 0's process already serves the store, so every rank, rank 0 too, dials
+    it as a client, as torchrun's workers dial their agent's (``TORCHELASTIC_USE_AGENT_STORE``).
+    Does nothing elsewhere, or once a group exists."""
+    if dist.is_initialized() or not _launched_by_mpi() or _HELD_STORE:
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    store, _, _ = _mpi_rendezvous(timeout)
+    _HELD_STORE.append(store)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(True)

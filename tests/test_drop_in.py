@@ -85,6 +85,43 @@ def test_a_script_that_never_imports_smddp_lite_gets_the_backend(tmp_path):
                      "light": True}, r
 
 
+_WRITTEN_FOR_SMDDP = """
+import json
+import torch
+import torch.distributed as dist
+import smddp_lite.torch_smddp  # was: import smdistributed.dataparallel.torch.torch_smddp
+for attempt in range(2):  # a second group after destroy_process_group meets again
+    dist.init_process_group(backend="smddp")
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    result = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.tolist()}
+    dist.destroy_process_group()
+with open(f"rank{result['rank']}.json", "w") as out:
+    json.dump(result, out)
+"""
+
+
+def test_a_script_written_for_smddp_runs_under_mpirun_as_sagemaker_starts_it(tmp_path):
+    """SageMaker's "smdistributed dataparallel" distribution starts the script with mpirun and
+    ``python -m mpi4py``, no RANK, WORLD_SIZE or MASTER_PORT set, and the script calls
+    init_process_group with torch's default env://; torch refused that ("environment variable
+    RANK expected")."""
+    import json
+    import subprocess
+    import sys
+
+    harness.skip_without_mpiexec()
+    script = tmp_path / "train.py"
+    script.write_text(_WRITTEN_FOR_SMDDP)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMDDP_", "TORCHELASTIC_", "MASTER_"))
+           and k not in ("RANK", "WORLD_SIZE")}
+    run = subprocess.run([harness.mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", str(script)], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for rank in range(3):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"rank": rank, "world": 3, "sum": [6.0] * 3}
+
+
 @tiers.FULL_ONLY
 @pytest.mark.parametrize("first", ["import smddp_lite", "import torch; import smddp_lite"])
 def test_either_import_order_registers_smddp_lite_without_a_warning(first):

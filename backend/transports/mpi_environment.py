@@ -28,6 +28,8 @@ INSTALL_HINT = "pip install mpi4py mpich (smddp-lite's [mpi] extra: pip install 
 from a checkout."""
 CMA_SETTINGS = ("MPIR_CVAR_CH4_CMA_ENABLE", "MPICH_CH4_CMA_ENABLE")
 """MPICH's two names for the switch; a user who set either has chosen."""
+OPEN_MPI_CMA_SETTING = "OMPI_MCA_btl_vader_single_copy_mechanism"
+"""Open MPI's switch (4.x's shared-memory BTL, vader; 5.x reads the same name as an alias)."""
 _warned = False
 
 
@@ -61,25 +63,33 @@ def cma_requested_where_blocked() -> bool:
         and not cross_memory_attach_permitted()
 
 
+def _launched_by_open_mpi() -> bool:
+    return "OMPI_COMM_WORLD_SIZE" in os.environ
+
+
 def prepare() -> None:
-    """Tell MPICH to do without cross-memory attach where it is forbidden and the user has not
-    chosen. It must run before MPI starts (importing ``mpi4py.MPI`` starts it): ``import
-    smddp_lite`` runs it in jobs an MPI launcher started, and ``import_mpi`` again. If MPI
-    started first, the choice is logged (once) instead of made."""
+    """Tell MPI to do without cross-memory attach where it is forbidden and the user has not
+    chosen: MPICH through ``MPIR_CVAR_CH4_CMA_ENABLE=0``, Open MPI (whose shared-memory BTL fails
+    the same way) through ``OMPI_MCA_btl_vader_single_copy_mechanism=none``, as SageMaker's
+    toolkit passes to its mpirun. It must run before MPI starts (importing ``mpi4py.MPI`` starts
+    it): ``import smddp_lite`` runs it in jobs an MPI launcher started, and ``import_mpi`` again.
+    If MPI started first, the choice is logged (once) instead of made."""
     global _warned
-    if any(name in os.environ for name in CMA_SETTINGS) or cross_memory_attach_permitted():
+    name, value = (OPEN_MPI_CMA_SETTING, "none") if _launched_by_open_mpi() else (CMA_SETTINGS[0], "0")
+    chosen = (OPEN_MPI_CMA_SETTING,) if _launched_by_open_mpi() else CMA_SETTINGS
+    if any(setting in os.environ for setting in chosen) or cross_memory_attach_permitted():
         return
     if "mpi4py.MPI" in sys.modules:
         if not _warned:
             _warned = True
             log.warning("smddp: process_vm_readv is forbidden here, and MPI was started before smddp_lite could "
-                        "tell MPICH; its large messages between ranks of a host will fail. Set %s=0 in the "
-                        "job's environment, or import smddp_lite before mpi4py.MPI.", CMA_SETTINGS[0])
+                        "tell it; its large messages between ranks of a host will fail. Set %s=%s in the "
+                        "job's environment, or import smddp_lite before mpi4py.MPI.", name, value)
         return
-    os.environ[CMA_SETTINGS[0]] = "0"
+    os.environ[name] = value
     if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":  # one line per job
         log.info("smddp: process_vm_readv is forbidden here (a container without CAP_SYS_PTRACE?); "
-                 "MPICH copies large messages through shared memory instead (%s=0)", CMA_SETTINGS[0])
+                 "MPI copies large messages through shared memory instead (%s=%s)", name, value)
 
 
 def import_mpi():
