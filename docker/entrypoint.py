@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""The image's entry point: runs its command (SageMaker's ``train``, or the default job) as PID 1
+of the container would, and ends everything the job started when the container is stopped.
+
+A process that is PID 1 gets no default action for SIGTERM: without a handler, StopTrainingJob's
+SIGTERM (and ``docker stop``'s) would be ignored until the SIGKILL that follows. And the job's
+processes are not all in one tree: with the "smdistributed dataparallel" distribution, the
+ranks on the other hosts are children of sshd sessions, in sessions of their own. So on SIGTERM
+or SIGINT this passes SIGTERM to every process of the container (``kill(-1)``, which spares
+PID 1 itself), gives them ``SMDDP_STOP_GRACE_S`` seconds (default 15) to end, then SIGKILLs
+what is left. As PID 1 it also reaps the orphans the container's other processes leave.
+
+Exit status: the command's own, or 128 + the signal that ended it (143 after SIGTERM), as a shell
+reports it. Outside a container's PID 1 the command gets a session of its own, and only that
+session is signalled.
+
+One more end it sees to, for ``train``: on the other hosts of an "smdistributed dataparallel"
+job, the toolkit runs no rank itself. Open MPI's daemon (orted) runs them for the first host's
+mpirun, and the toolkit waits until the first host writes ``/tmp/done.<host>`` after a
+successful run. When that run failed or was stopped, the file never comes, and the toolkit waits
+on (it asks again only every few minutes), for SageMaker to stop the instance. So once the
+daemon has come and gone here, and ``SMDDP_MPI_DONE_WAIT_S`` (10) more seconds bring no such
+file, the job has ended without success: this writes why to ``/opt/ml/output/failure`` and
+ends the container with status 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+DEFAULT_GRACE_S = 15.0
+DEFAULT_MPI_DONE_WAIT_S = 10.0
+MPI_DAEMONS = ("orted", "prted")  # Open MPI 4's and 5's
+DONE_FILE_PREFIX = "/tmp/done."  # the toolkit's MPI_FINISHED_STATUS_FILE, then the first host's name
+
+
+class MpiWorkerWatch:
+    """Says when this host's part of an mpirun job ended without the first host's note of success."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s, self.seen, self.gone_at = wait_s, False, None
+
+    @staticmethod
+    def _daemon_runs() -> bool:
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().strip() in MPI_DAEMONS:
+                        return True
+            except OSError:  # not a process, or one that just ended
+                continue
+        return False
+
+    @staticmethod
+    def _done_noted() -> bool:
+        folder, prefix = os.path.split(DONE_FILE_PREFIX)
+        return any(name.startswith(prefix) for name in os.listdir(folder))
+
+    def failure(self, now: float) -> str | None:
+        if self._daemon_runs():
+            self.seen, self.gone_at = True, None
+        elif self.seen and self.gone_at is None:
+            self.gone_at = now
+        if self.gone_at is not None and now - self.gone_at > self.wait_s and not self._done_noted():
+            return (f"the MPI job this host ran ranks for ended without success: Open MPI's daemon here exited, "
+                    f"and in {self.wait_s:g} s the first host wrote no {DONE_FILE_PREFIX}<host> (it does after a "
+                    "successful mpirun). The first host's log and /opt/ml/output/failure say what happened there.")
+        return None
+
+
+def _write_failure(reason: str) -> None:
+    """SageMaker's FailureReason, unless the toolkit wrote one."""
+    path = os.path.join(os.environ.get("SAGEMAKER_BASE_DIR", "/opt/ml"), "output", "failure")
+    if not os.path.exists(path):
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(reason)
+
+
+def _status(raw: int) -> int:
+    return os.waitstatus_to_exitcode(raw) if os.WIFEXITED(raw) else 128 + os.WTERMSIG(raw)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("entrypoint: no command given (expected `train` or a command line)", file=sys.stderr)
+        return 2
+    grace = float(os.environ.get("SMDDP_STOP_GRACE_S", DEFAULT_GRACE_S))
+    is_init = os.getpid() == 1
+    try:
+        child = subprocess.Popen(argv, start_new_session=not is_init)
+    except FileNotFoundError:
+        print(f"entrypoint: {argv[0]!r} not found on PATH ({os.environ.get('PATH', '')})", file=sys.stderr)
+        return 127
+    stop_at: list[float] = []
+
+    def send(sig: int) -> None:
+        try:
+            if is_init:
+                os.kill(-1, sig)  # every process of the container but this one
+            else:
+                os.killpg(child.pid, sig)
+        except ProcessLookupError:  # nothing left to signal
+            pass
+
+    def on_stop(signum, frame) -> None:
+        if not stop_at:
+            stop_at.append(time.monotonic() + grace)
+            send(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    watch = MpiWorkerWatch(float(os.environ.get("SMDDP_MPI_DONE_WAIT_S", DEFAULT_MPI_DONE_WAIT_S))) \
+        if argv == ["train"] else None
+    failed_status, next_look = None, 0.0
+    status = None
+    while status is None:
+        if stop_at and time.monotonic() > stop_at[0]:
+            send(signal.SIGKILL)
+        if watch is not None and not stop_at and time.monotonic() >= next_look:
+            next_look = time.monotonic() + 0.5
+            reason = watch.failure(time.monotonic())
+            if reason is not None:
+                print(f"entrypoint: {reason}", file=sys.stderr, flush=True)
+                _write_failure(reason)
+                failed_status = 1
+                on_stop(signal.SIGTERM, None)
+        try:
+            # every child ends here, the command and the orphans PID 1 inherits
+            pid, raw = os.waitpid(-1 if is_init else child.pid, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == child.pid:
+            status = _status(raw)
+            child.returncode = status
+        elif pid == 0:
+            time.sleep(0.05)
+    if is_init:  # what the command left running (an sshd, a stray rank) ends with the container
+        send(signal.SIGTERM)
+        deadline = time.monotonic() + min(grace, 5.0)
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    time.sleep(0.05)
+            except ChildProcessError:
+                break
+        send(signal.SIGKILL)
+    if failed_status is not None:
+        return failed_status
+    return status if status is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
