@@ -73,7 +73,8 @@ DEFAULT_BURST = "2mb"
 
 
 class SimCluster:
-    def __init__(self, hosts: int, rate: str = "1gbit", burst: str = DEFAULT_BURST) -> None:
+    def __init__(self, hosts: int, rate: str = "1gbit", burst: str = DEFAULT_BURST,
+                 names: list[str] | None = None) -> None:
         if os.geteuid() != 0:
             raise PermissionError(
                 "SimCluster needs root: it creates network namespaces, veth links and tc qdiscs. "
@@ -86,7 +87,10 @@ class SimCluster:
         self.subnet = tag % 250 + 1  # 10.77.<subnet>.0/24, private to this cluster's namespaces
         self.bridge = f"smb{tag}"
         self.ns = [f"smddp{tag}h{i}" for i in range(hosts)]
-        self.names = [f"sim-host-{i}" for i in range(hosts)]
+        # hostnames as a job sees them: sim-host-<i>, or the caller's (SageMaker's algo-1, algo-2, ...)
+        self.names = list(names) if names is not None else [f"sim-host-{i}" for i in range(hosts)]
+        if len(self.names) != hosts:
+            raise ValueError(f"SimCluster: {hosts} hosts but {len(self.names)} names: {self.names}")
         self.addresses = [f"10.77.{self.subnet}.{i + 1}" for i in range(hosts)]
         self.procs: list[subprocess.Popen] = []
         self._created: list[tuple[str, ...]] = []
