@@ -26,8 +26,10 @@ from .algorithms import Collectives
 from .call import Call
 from .cuda.route import cuda_device, gathers_unevenly, staging_reason
 from .errors import InvalidCallError, RecoverableMismatchError, SMDDPError, where
+from .fast_cpu import FastCpuCalls
 from .p2p import PeerLinks
 from .transports import create_transport
+from .transports.shm import ShmTransport
 from .work import CommThread, SMDDPWork
 
 log = logging.getLogger("smddp_lite")
@@ -44,6 +46,12 @@ def _device_aware(op: str, fast: str | None = None):
 def _route_by_device(op: str, fast: str | None, method):
     @functools.wraps(method)
     def route(self: ProcessGroupSMDDP, *args, **kwargs):
+        small = self._fast_cpu
+        if small is not None and fast is not None:
+            taken = getattr(small, fast, None)
+            work = taken(self, *args, **kwargs) if taken is not None else None
+            if work is not None:
+                return work
         calls = self._fast_cuda
         if calls is not None and fast is not None:
             work = getattr(calls, fast)(self, *args, **kwargs)
@@ -104,6 +112,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._store = store
         self._cuda = None  # CudaPaths, made on the first call with CUDA tensors
         self._fast_cuda = None  # its FastCalls, where NCCL loaded (see _route_by_device)
+        # small CPU calls on the caller's thread (fast_cpu.py), where the transport is shared memory
+        self._fast_cpu = FastCpuCalls(self.transport) \
+            if isinstance(self.transport, ShmTransport) and world_size > 1 else None
         self._peers = PeerLinks(store, rank, timeout)  # send/recv links: none is made before its first call
         # the last calls, for torch's analyzer (TORCH_FR_BUFFER_SIZE; None when 0)
         self._recorder = flight_recorder.for_group(store, self, global_ranks, timeout.total_seconds())
@@ -562,6 +573,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return self._run(op, mine + blocks, outputs, check, body)
 
     def barrier(self, opts=None):
+        if self._fast_cpu is not None and self._cuda is None:  # no CUDA collectives to order it after
+            work = self._fast_cpu.barrier(self)
+            if work is not None:
+                return work
         nccl = self._cuda.nccl if self._cuda is not None else None
         if nccl is not None and nccl.comms.by_device:  # ordered after this group's CUDA collectives
             call = self.number_call()

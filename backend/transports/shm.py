@@ -15,6 +15,7 @@ on their way through shared memory (the bits of widening them, in half the bytes
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import numerics
@@ -26,6 +27,22 @@ from .shm_segment import ShmSegment
 
 _NO_CALL_SHOWN = (0, 0, 0, 0)  # a header's user-call fields when the op is no step of another call
 ONE_SHOT_BYTES = 16 << 10  # all_reduce below this size uses one barrier (see all_reduce)
+# what small_all_reduce reduces in numpy: dtypes whose arithmetic numpy does as torch does (IEEE
+# floats, wrapping integers), and the ops it applies to them; 16-bit floats (float32
+# accumulation) and bool (bytes) keep the general path
+SMALL_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64,
+                torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8}
+SMALL_COMBINE = {RedOp.SUM: np.add, RedOp.PRODUCT: np.multiply, RedOp.MIN: np.minimum, RedOp.MAX: np.maximum}
+
+_SMALL_VIEWS_KEPT = 64  # (parity, size, dtype) keys of small_all_reduce's views before they are made anew
+
+
+def _combine_into(out: np.ndarray, sources: list[np.ndarray], fn) -> None:
+    """``out`` = ``fn`` of ``sources`` in rank order, as ShmTransport._combine applies torch's."""
+    fn(sources[0], sources[1], out=out)
+    for source in sources[2:]:
+        fn(out, source, out=out)
+
 
 def _signature(header: tuple[int, ...]) -> list[int]:
     """The call a header describes (signatures.py's form), in the user's elements: the user's call
@@ -57,6 +74,7 @@ class ShmTransport(Transport):
         # float32 accumulator for 16-bit reductions: one chunk's worth of elements.
         self._acc = torch.empty(chunk_bytes // 2, dtype=torch.float32)
         self._scratch = torch.empty(chunk_bytes, dtype=torch.uint8)
+        self._small_views: dict[tuple, list[np.ndarray]] = {}  # small_all_reduce's (_small_slots)
 
     # protocol helpers --------------------------------------------------------------------------
     def _begin(self, call: Call, op: str, dtype: torch.dtype | None, numel: int, arg: int) -> tuple[int, ...]:
@@ -112,6 +130,43 @@ class ShmTransport(Transport):
         for d in dest:
             if d.data_ptr() != acc.data_ptr():
                 d.copy_(acc)
+
+    # the caller's-thread path of small calls (backend/fast_cpu.py) -------------------------------
+    @property
+    def small_bytes(self) -> int:
+        """The largest all_reduce ``small_all_reduce`` takes: one slot of one step."""
+        return min(ONE_SHOT_BYTES, self.seg.chunk_bytes)
+
+    def _small_slots(self, parity: int, nbytes: int, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's first ``nbytes`` of its slot of buffer set ``parity``, as numpy ``dtype``:
+        made once per size and dtype (a few per job), not per call."""
+        key = (parity, nbytes, dtype)
+        views = self._small_views.get(key)
+        if views is None:
+            if len(self._small_views) >= _SMALL_VIEWS_KEPT:
+                self._small_views.clear()
+            views = self._small_views[key] = [
+                self.seg.slot(parity, p, torch.uint8)[:nbytes].numpy().view(dtype) for p in range(self.world_size)]
+        return views
+
+    def small_all_reduce(self, call: Call, mine: np.ndarray, dtype: torch.dtype, op: RedOp, divide: bool) -> None:
+        """all_reduce as ``all_reduce`` runs one that fits a slot (same header, same steps, so a
+        peer on the general path pairs with it), on ``mine``, the numpy view of a contiguous
+        tensor of one of SMALL_DTYPES, reducing with SMALL_COMBINE[op] in rank order; ``divide``:
+        an AVG's division of the sum by the number of ranks, after it (the general path's)."""
+        header = self._begin(call, "all_reduce", dtype, mine.size, int(op))
+        self.step += 1
+        slots = self._small_slots(self.step % 2, mine.nbytes, mine.dtype)
+        slots[self.rank][:] = mine
+        self._sync(header)
+        fn = SMALL_COMBINE[op]
+        if mine.dtype.kind != "f":  # integers wrap without a warning, as torch's do
+            _combine_into(mine, slots, fn)
+            return
+        with np.errstate(all="ignore"):  # overflow to inf, inf - inf: torch's ops warn of neither
+            _combine_into(mine, slots, fn)
+            if divide:
+                np.true_divide(mine, self.world_size, out=mine)
 
     # collectives -------------------------------------------------------------------------------
     def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:

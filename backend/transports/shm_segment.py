@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import stat
+import struct
 import threading
 import time
 import uuid
@@ -42,6 +43,7 @@ HEADER = 4  # two headers of 10 fields: the op's seq, call index, op code, dtype
 HEADER_FIELDS = ("seq", "call", "op", "dtype", "numel", "arg", "call_op", "call_dtype", "call_numel", "call_arg")
 _CALL_FIELDS = slice(6, 10)
 CALL = HEADER + 2 * len(HEADER_FIELDS)  # the process-group call the rank is inside (entering)
+_HEADER_PACKING = struct.Struct(f"<{len(HEADER_FIELDS)}q")  # a header as the control words hold it
 CONTROL_WORDS = CALL + 1
 REASON_BYTES = 512
 # Poll with sched_yield this long, then sleep. Peers of a small collective arrive within tens of
@@ -85,6 +87,7 @@ class ShmSegment:
             self.control[rank, REJECTED] = -1
             self.control[rank, CALL] = -1
             self.phase = 0
+            self._header_offsets = [[self._header_at(r, parity) for r in range(world_size)] for parity in (0, 1)]
             self.op_shown = "init"  # the op this rank is in, as messages name it (entering)
             # the rank that maps last removes the segment's name: rank 0 may be gone by then (killed
             # while it waited), and the name must not outlive the job
@@ -122,22 +125,28 @@ class ShmSegment:
         return self._bytes[start : start + self.chunk_bytes].view(dtype)
 
     # headers ---------------------------------------------------------------------------------
+    def _header_at(self, rank: int, parity: int) -> int:
+        """The byte offset of ``rank``'s header for ops of ``parity`` (control is the segment's start)."""
+        return (rank * CONTROL_WORDS + HEADER + parity * len(HEADER_FIELDS)) * 8
+
     def publish_header(self, header: tuple[int, ...]) -> None:
-        base = HEADER + (header[0] % 2) * len(HEADER_FIELDS)
-        self.control[self.rank, base : base + len(HEADER_FIELDS)] = header
+        # packed into the mapping: half the time of a numpy row assignment, in every call
+        _HEADER_PACKING.pack_into(self._mm, self._header_at(self.rank, header[0] % 2), *header)
 
     def check_headers(self, header: tuple[int, ...], signature_of, announce=None) -> None:
         """After the first barrier of an op: every rank published the same header, or all raise
         (each rank reads every header, so each finds it itself). ``signature_of``: a header's call
         in signatures.py's form, for the message; ``announce``: called with what differs before
         raising (the hierarchical transport's board: ranks on other hosts hear of it there)."""
-        base = HEADER + (header[0] % 2) * len(HEADER_FIELDS)
-        headers = self.control[:, base : base + len(HEADER_FIELDS)]
-        # one numpy compare in place, not agreement.agreed over rows read out: this runs in every
-        # call of the shared-memory fast path; what follows a difference is agreement's
-        if (headers == np.asarray(header, dtype=np.int64)).all():
+        parity, mm, size = header[0] % 2, self._mm, _HEADER_PACKING.size
+        # every rank's header bytes against this rank's own: a twentieth of a numpy compare's time,
+        # in every call; what follows a difference is agreement's
+        at = self._header_at(self.rank, parity)
+        mine = mm[at : at + size]
+        if all(mm[a : a + size] == mine for a in self._header_offsets[parity]):
             return
-        rows = [tuple(int(v) for v in h) for h in headers]
+        base = HEADER + parity * len(HEADER_FIELDS)
+        rows = [tuple(int(v) for v in h) for h in self.control[:, base : base + len(HEADER_FIELDS)]]
         self._refusal_behind_mismatch(header[1], rows)
         look = None
         if agreement.agreed([row[_CALL_FIELDS] for row in rows]) and any(rows[0][_CALL_FIELDS]):

@@ -1,0 +1,134 @@
+"""Small CPU collectives on the caller's thread, in the few steps such a call needs.
+
+The general route of a call (process_group.py) prepares, checks and numbers it, builds its
+Work, has the algorithms layer choose how to run it per dtype, and hands the transport a step:
+some 40 Python functions, which cost an 8 B all_reduce on shared memory about 10x the wait for its
+peer (benchmarks/results/2026-12-01-small-messages-where-the-time-goes.md). A call takes this
+path instead when it is an all_reduce of one contiguous, dense CPU tensor of at most one
+shared-memory slot (16 KiB), of a dtype numpy reduces as torch does, with SUM, PRODUCT, MIN, MAX
+(or AVG of floats), on a healthy group whose transport is shared memory, while no profiler
+runs. Anything else returns None here and takes the general route, which checks and explains.
+
+Nothing a call is owed is skipped: it takes the group's next call number and runs the very
+header, steps and waits of the transport's own small all_reduce (so a peer on the general
+route pairs with it, a mismatch is found and a dead peer named as there), the flight recorder
+records it, and a failure reaches ``wait()`` and the group's later calls as on the general route.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .call import Call
+from .errors import RecoverableMismatchError, where
+from .ops import RedOp
+from .transports.shm import SMALL_COMBINE, SMALL_DTYPES
+from .work import KeptWhileCppMayAsk
+
+_AllreduceOptions = dist.AllreduceOptions
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses (DTensor, fakes) take the general route
+_profiling = torch._C._autograd._profiler_enabled  # under a profiler the general route opens its range
+_OPS = {dist.ReduceOp.RedOpType.SUM.value: RedOp.SUM, dist.ReduceOp.RedOpType.PRODUCT.value: RedOp.PRODUCT,
+        dist.ReduceOp.RedOpType.MIN.value: RedOp.MIN, dist.ReduceOp.RedOpType.MAX.value: RedOp.MAX}
+_AVG = dist.ReduceOp.RedOpType.AVG.value
+_FLOATS = (torch.float32, torch.float64)
+
+
+class DoneWork(KeptWhileCppMayAsk, dist._Work):
+    """The Work of a call that ran to its end on the caller's thread, successfully."""
+
+    def __init__(self, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._outputs = outputs
+
+    def wait(self, timeout=None) -> bool:
+        self._timeout_of(timeout)  # notes a wait from Python code (see KeptWhileCppMayAsk)
+        return True
+
+    def synchronize(self) -> None:
+        self._asked_for()
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        self._asked_for()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        self._asked_for(future_too=True)
+        future = torch.futures.Future()
+        future.set_result(self._outputs)
+        return future
+
+    def result_tensors(self) -> list[torch.Tensor]:
+        return self._outputs
+
+
+class FastCpuCalls:
+    """The calls of one group's shared-memory transport that may skip the general route."""
+
+    def __init__(self, transport) -> None:
+        self.transport = transport
+        self.max_bytes = transport.small_bytes
+
+    def all_reduce(self, group, tensors, opts=None, **kwargs) -> dist._Work | None:
+        if type(opts) is not _AllreduceOptions or kwargs or type(tensors) is not list or len(tensors) != 1:
+            return None
+        t = tensors[0]
+        if type(t) not in _PLAIN or not t.is_cpu or t.dtype not in SMALL_DTYPES or _profiling():
+            return None
+        if (t.numel() * t.element_size() > self.max_bytes or not t.numel() or t.layout is not torch.strided
+                or not t.is_contiguous() or t.is_conj() or t.is_neg() or not group.takes_calls()):
+            return None
+        code = opts.reduceOp.op.value
+        op = _OPS.get(code)
+        divide = code == _AVG and t.dtype in _FLOATS
+        if op is None and not divide:
+            return None
+        mine = (t.detach() if t.requires_grad else t).numpy().reshape(-1)  # contiguous: a view
+        transport = self.transport
+
+        def body(call: Call) -> None:
+            transport.small_all_reduce(call, mine, t.dtype, RedOp.SUM if divide else op, divide)
+
+        return _run(group, "all_reduce", tensors, body)
+
+    def barrier(self, group) -> dist._Work | None:
+        if _profiling() or not group.takes_calls():
+            return None
+        return _run(group, "barrier", [], self.transport.barrier)
+
+
+def _run(group, op: str, tensors: list[torch.Tensor], body) -> dist._Work:
+    """``body`` as call ``op`` of ``group``: numbered, recorded, and its failure handled as
+    ProcessGroupSMDDP._run handles one."""
+    index = group.number_call()
+    if group._recorder is not None:
+        body = group._recorder.track(index, op, tensors, tensors, body)
+    try:
+        body(Call(index, op))
+    except BaseException as exc:
+        return _failed(group, op, tensors, exc)
+    return DoneWork(tensors)
+
+
+def _failed(group, op: str, tensors: list[torch.Tensor], exc: BaseException) -> dist._Work:
+    """What the general route makes of a failed call (ProcessGroupSMDDP._run): the group can no
+    longer be used after a backend error (a mismatch found before any data moved excepted), an
+    interrupted call leaves its peers inside it, and ``wait()`` raises the error."""
+    said = where(group.rank(), group.size(), op)
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        group._interrupted(said, exc)
+    elif isinstance(exc, dist.DistBackendError) and not isinstance(exc, RecoverableMismatchError):
+        group._failure = f"{said} an earlier collective failed: {exc}"
+    work = group._work(op, tensors)
+    work._finish(exc)
+    return work
