@@ -5,8 +5,8 @@ fit one bucket of a few KiB), the optimizer's step, and an all_reduce (AVG) of t
 training loops log it. Backends alternate in rounds within one job, so machine noise hits them
 alike; rank 0 prints the median step time per backend and round, then the medians over rounds.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/small_calls_step.py --backends smddp,gloo
-    torchrun --standalone --nproc-per-node 2 benchmarks/small_calls_step.py \
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.small_calls_step --backends smddp,gloo
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.small_calls_step \
         --backends smddp:SMDDP_TRANSPORT=shm,gloo --steps 2000 --rounds 5
 
 A backend may carry settings for its group, as in latency.py: ``smddp:SMDDP_TRANSPORT=gloo``.
@@ -15,7 +15,6 @@ A backend may carry settings for its group, as in latency.py: ``smddp:SMDDP_TRAN
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -24,24 +23,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import smddp_lite
+from benchmarks.latency import _backend_and_settings, _environment
 
 
 def group_for(spec: str) -> tuple[str, dist.ProcessGroup]:
     """A group of every rank on ``spec``'s backend, with its settings set while it is made."""
-    backend, *settings = spec.split(":")
-    saved = {}
-    for setting in settings:
-        name, value = setting.split("=", 1)
-        saved[name] = os.environ.get(name)
-        os.environ[name] = value
-    try:
+    backend, settings = _backend_and_settings(spec)
+    with _environment(settings):
         return spec, dist.new_group(backend=backend)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def step_times(group: dist.ProcessGroup, steps: int, width: int) -> list[float]:
