@@ -17,16 +17,19 @@ records it, and a failure reaches ``wait()`` and the group's later calls as on t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .call import Call
 from .errors import RecoverableMismatchError, where
-from .ops import RedOp
+from .ops import RedOp, moved_as_bytes
 from .transports.shm import SMALL_COMBINE, SMALL_DTYPES
 from .work import KeptWhileCppMayAsk
 
 _AllreduceOptions = dist.AllreduceOptions
+_BroadcastOptions = dist.BroadcastOptions
+_AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses (DTensor, fakes) take the general route
 _profiling = torch._C._autograd._profiler_enabled  # under a profiler the general route opens its range
 _OPS = {dist.ReduceOp.RedOpType.SUM.value: RedOp.SUM, dist.ReduceOp.RedOpType.PRODUCT.value: RedOp.PRODUCT,
@@ -101,23 +104,67 @@ class FastCpuCalls:
 
         return _run(group, "all_reduce", tensors, body)
 
+    def broadcast(self, group, tensors, opts=None, **kwargs) -> dist._Work | None:
+        if type(opts) is not _BroadcastOptions or kwargs or type(tensors) is not list or len(tensors) != 1:
+            return None
+        t = tensors[0]
+        if not self._takes(group, t) or opts.rootTensor != 0 or not 0 <= opts.rootRank < group.size():
+            return None
+        mine, dtype, numel = _bytes_of(t)
+        root, transport = opts.rootRank, self.transport
+        return _run(group, "broadcast", tensors, lambda call: transport.small_broadcast(call, mine, dtype, numel, root))
+
+    def all_gather_single(self, group, output, input, opts=None, **kwargs) -> dist._Work | None:
+        if type(opts) is not _AllgatherOptions or kwargs or not self._takes(group, input):
+            return None
+        if (type(output) not in _PLAIN or not output.is_cpu or output.dtype != input.dtype
+                or output.numel() != input.numel() * group.size() or not output.is_contiguous()
+                or output.is_conj() or output.is_neg()):
+            return None
+        block = input.numel() * input.element_size()
+        src, dst = input.data_ptr(), output.data_ptr()
+        if dst < src + block and src < dst + block * group.size() and src != dst + group.rank() * block:
+            return None  # an input inside the output other than as this rank's block: the general route copies
+        mine, dtype, numel = _bytes_of(input)
+        gathered = _bytes_of(output)[0]
+        transport = self.transport
+        return _run(group, "all_gather_into_tensor", [output, input],
+                    lambda call: transport.small_all_gather(call, gathered, mine, dtype, numel), outputs=[output])
+
+    def _takes(self, group, t) -> bool:
+        """Whether ``t`` may move on this path: a plain, contiguous CPU tensor of at most a slot."""
+        return (type(t) in _PLAIN and t.is_cpu and not _profiling() and t.layout is torch.strided
+                and 0 < t.numel() * t.element_size() <= self.max_bytes and t.is_contiguous() and not t.is_conj()
+                and not t.is_neg() and not t.is_quantized and group.takes_calls())
+
     def barrier(self, group) -> dist._Work | None:
         if _profiling() or not group.takes_calls():
             return None
         return _run(group, "barrier", [], self.transport.barrier)
 
 
-def _run(group, op: str, tensors: list[torch.Tensor], body) -> dist._Work:
+def _bytes_of(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype, int]:
+    """A contiguous tensor's memory as numpy bytes, and the dtype and numel a moving op's header
+    gives it (algorithms.py's ``_as_bytes``: a dtype moved as bytes counts bytes)."""
+    # contiguous, but a dimension of size 1 may carry any stride (a one-element column): the
+    # flat view is said outright, which reshape would not do
+    flat = (t.detach() if t.requires_grad else t).as_strided((t.numel(),), (1,))
+    numel = flat.numel() * flat.element_size() if moved_as_bytes(t.dtype) else flat.numel()
+    return flat.view(torch.uint8).numpy(), t.dtype, numel
+
+
+def _run(group, op: str, tensors: list[torch.Tensor], body, outputs: list[torch.Tensor] | None = None) -> dist._Work:
     """``body`` as call ``op`` of ``group``: numbered, recorded, and its failure handled as
     ProcessGroupSMDDP._run handles one."""
+    outputs = tensors if outputs is None else outputs
     index = group.number_call()
     if group._recorder is not None:
-        body = group._recorder.track(index, op, tensors, tensors, body)
+        body = group._recorder.track(index, op, tensors, outputs, body)
     try:
         body(Call(index, op))
     except BaseException as exc:
-        return _failed(group, op, tensors, exc)
-    return DoneWork(tensors)
+        return _failed(group, op, outputs, exc)
+    return DoneWork(outputs)
 
 
 def _failed(group, op: str, tensors: list[torch.Tensor], exc: BaseException) -> dist._Work:

@@ -67,14 +67,19 @@ def same_bits_as_the_general_route(numels: list[int]) -> dict:
 
 
 def pairs_with_a_peer_on_the_general_route() -> dict:
-    """Rank 0's call qualifies and rank 1's (a strided view) does not: they are one call."""
+    """Rank 0's calls qualify and rank 1's (strided views) do not: they pair, call by call."""
     smddp_lite.init()
     rank = dist.get_rank()
     t = torch.full((4,), float(rank + 1)) if rank == 0 else torch.full((8,), float(rank + 1))[::2]
     dist.all_reduce(t)
+    b = torch.full((4,), float(rank)) if rank == 0 else torch.full((8,), float(rank))[::2]
+    dist.broadcast(b, src=0)
+    source = torch.full((2,), float(rank + 1))
+    gathered = torch.empty(4) if rank == 0 else torch.empty(8)[::2]
+    dist.all_gather_into_tensor(gathered, source)
     later = torch.full((3,), 1.0)
     dist.all_reduce(later)  # the groups' call numbers and steps still agree
-    return {"sum": t.tolist(), "later": later.tolist()}
+    return {"sum": t.tolist(), "broadcast": b.tolist(), "gathered": gathered.tolist(), "later": later.tolist()}
 
 
 def mismatch_is_named() -> dict:
@@ -126,3 +131,40 @@ def barriers_pair_across_routes() -> dict:
     dist.all_reduce(t)
     dist.barrier()
     return {"fast": fast, "waited": waited, "sum": t.tolist()}
+
+
+def moves_as_the_general_route() -> dict:
+    """broadcast and all_gather_into_tensor of every kind of dtype (reduced ones, and bool, int16,
+    complex, which move as bytes), on the fast path and on the general route (strided copies),
+    every rank's values distinct; in-place all_gather too. Which differed, and whether both fast
+    calls took the path."""
+    from smddp_lite.backend.fast_cpu import DoneWork
+
+    smddp_lite.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrong = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.int16, torch.complex64):
+        mine = (torch.arange(6) + 10 * rank).to(dtype)
+        for root in range(world):
+            fast, general = mine.clone(), torch.empty(12, dtype=dtype)[::2]
+            general.copy_(mine)
+            dist.broadcast(fast, src=root)
+            dist.broadcast(general, src=root)
+            want = (torch.arange(6) + 10 * root).to(dtype)
+            if not (torch.equal(fast, want) and torch.equal(general, want)):
+                wrong.append(f"broadcast {dtype} from {root}: {fast.tolist()} / {general.tolist()}")
+        out = torch.empty(world * 6, dtype=dtype)
+        dist.all_gather_into_tensor(out, mine)
+        in_place = torch.empty(world * 6, dtype=dtype)
+        in_place[rank * 6:(rank + 1) * 6] = mine
+        dist.all_gather_into_tensor(in_place, in_place[rank * 6:(rank + 1) * 6])
+        slow = torch.empty(world * 6 * 2, dtype=dtype)[::2]
+        dist.all_gather_into_tensor(slow, mine)
+        want = torch.cat([(torch.arange(6) + 10 * r).to(dtype) for r in range(world)])
+        for name, got in (("fast", out), ("in place", in_place), ("general", slow)):
+            if not torch.equal(got, want):
+                wrong.append(f"all_gather {dtype} {name}: {got.tolist()}")
+    t = torch.ones(2)
+    paths = [type(dist.broadcast(t, src=0, async_op=True)) is DoneWork,
+             type(dist.all_gather_into_tensor(torch.empty(2 * world), t, async_op=True)) is DoneWork]
+    return {"wrong": wrong, "fast": paths}

@@ -168,6 +168,31 @@ class ShmTransport(Transport):
             if divide:
                 np.true_divide(mine, self.world_size, out=mine)
 
+    def small_broadcast(self, call: Call, mine: np.ndarray, dtype: torch.dtype, numel: int, root: int) -> None:
+        """broadcast as ``broadcast`` runs one of at most ``small_bytes`` (its header and step), of
+        ``mine``, the tensor's bytes; ``dtype`` and ``numel`` as the general route's header gives
+        them (a dtype moved as bytes counts bytes)."""
+        header = self._begin(call, "broadcast", dtype, numel, root)
+        self.step += 1
+        slot = self._small_slots(self.step % 2, mine.nbytes, mine.dtype)[root]
+        if self.rank == root:
+            slot[:] = mine
+        self._sync(header)
+        if self.rank != root:
+            mine[:] = slot
+
+    def small_all_gather(self, call: Call, output: np.ndarray, mine: np.ndarray, dtype: torch.dtype, numel: int) -> None:
+        """all_gather as ``all_gather`` runs one whose input fits a slot: ``mine`` (the input's
+        bytes) into block ``rank`` of ``output`` (bytes, every rank's block in rank order)."""
+        header = self._begin(call, "all_gather", dtype, numel, 0)
+        self.step += 1
+        slots = self._small_slots(self.step % 2, mine.nbytes, mine.dtype)
+        slots[self.rank][:] = mine
+        self._sync(header)
+        blocks = output.reshape(self.world_size, mine.size)
+        for q in range(self.world_size):
+            blocks[q] = mine if q == self.rank else slots[q]
+
     # collectives -------------------------------------------------------------------------------
     def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:
         w, r = self.world_size, self.rank
