@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import numerics
 from .call import Call
-from .errors import RecoverableMismatchError, where
 from .ops import RedOp, moved_as_bytes
 from .transports.shm import SMALL_COMBINE, SMALL_DTYPES
 from .work import KeptWhileCppMayAsk
@@ -86,21 +86,23 @@ class FastCpuCalls:
         if type(opts) is not _AllreduceOptions or kwargs or type(tensors) is not list or len(tensors) != 1:
             return None
         t = tensors[0]
-        if type(t) not in _PLAIN or not t.is_cpu or t.dtype not in SMALL_DTYPES or _profiling():
-            return None
-        if (t.numel() * t.element_size() > self.max_bytes or not t.numel() or t.layout is not torch.strided
-                or not t.is_contiguous() or t.is_conj() or t.is_neg() or not group.takes_calls()):
+        if not self._takes(group, t) or t.dtype not in SMALL_DTYPES:
             return None
         code = opts.reduceOp.op.value
         op = _OPS.get(code)
-        divide = code == _AVG and t.dtype in _FLOATS
-        if op is None and not divide:
+        average = code == _AVG and t.dtype in _FLOATS
+        if op is None and not average:
             return None
-        mine = (t.detach() if t.requires_grad else t).numpy().reshape(-1)  # contiguous: a view
-        transport = self.transport
+        # numpy's reshape gives a flat view of any contiguous tensor (torch's view of bytes would
+        # not, for a one-element column's stride): half the cost of _bytes_of's torch views
+        mine = (t.detach() if t.requires_grad else t).numpy().reshape(-1)
+        transport, world = self.transport, group.size()
 
         def body(call: Call) -> None:
-            transport.small_all_reduce(call, mine, t.dtype, RedOp.SUM if divide else op, divide)
+            transport.small_all_reduce(call, mine, RedOp.SUM if average else op)
+            if average:  # the sum divided as the general route divides it (outside autograd, as there)
+                with torch.no_grad():
+                    numerics.finish_(t, RedOp.AVG, world)
 
         return _run(group, "all_reduce", tensors, body)
 
@@ -168,14 +170,9 @@ def _run(group, op: str, tensors: list[torch.Tensor], body, outputs: list[torch.
 
 
 def _failed(group, op: str, tensors: list[torch.Tensor], exc: BaseException) -> dist._Work:
-    """What the general route makes of a failed call (ProcessGroupSMDDP._run): the group can no
-    longer be used after a backend error (a mismatch found before any data moved excepted), an
-    interrupted call leaves its peers inside it, and ``wait()`` raises the error."""
-    said = where(group.rank(), group.size(), op)
-    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-        group._interrupted(said, exc)
-    elif isinstance(exc, dist.DistBackendError) and not isinstance(exc, RecoverableMismatchError):
-        group._failure = f"{said} an earlier collective failed: {exc}"
+    """A failed call's Work, whose ``wait()`` raises ``exc``, after the group took note of it as
+    on the general route."""
+    group._call_failed(op, exc)
     work = group._work(op, tensors)
     work._finish(exc)
     return work

@@ -202,13 +202,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 # and grad mode is per thread, on by default on the communication thread
                 with torch.no_grad():
                     body(Call(call, op))
-            except RecoverableMismatchError:
-                raise  # every rank raised it at one point, before any data moved: the group goes on
-            except dist.DistBackendError as exc:
-                self._failure = f"{where(self.rank(), self.size(), op)} an earlier collective failed: {exc}"
-                raise
-            except (KeyboardInterrupt, SystemExit) as exc:  # on a caller's thread that ran its call
-                self._interrupted(where(self.rank(), self.size(), op), exc)
+            except BaseException as exc:
+                self._call_failed(op, exc)
                 raise
 
         return flight_recorder.profiled(op, tensors, outputs, lambda: self._comm.submit(run, self._work(op, outputs)))
@@ -251,6 +246,17 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         cannot_go_on = self.transport.reject(call, message)
         if cannot_go_on and self._failure is None:
             self._failure = f"{where(self.rank(), self.size(), op)} {cannot_go_on}"
+
+    def _call_failed(self, op: str, exc: BaseException) -> None:
+        """What a call that raised ``exc`` leaves the group, on whichever route it ran: after a
+        backend error the group can no longer be used (a mismatch every rank found before any
+        data moved excepted: the group goes on); an interrupted call leaves its peers inside it."""
+        if isinstance(exc, RecoverableMismatchError):
+            return
+        if isinstance(exc, dist.DistBackendError):
+            self._failure = f"{where(self.rank(), self.size(), op)} an earlier collective failed: {exc}"
+        elif isinstance(exc, (KeyboardInterrupt, SystemExit)):  # on a caller's thread that ran its call
+            self._interrupted(where(self.rank(), self.size(), op), exc)
 
     def _interrupted(self, prefix: str, exc: BaseException) -> None:
         """A call was interrupted (Ctrl-C) on the caller's thread: running it, or waiting for it."""

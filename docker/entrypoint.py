@@ -101,13 +101,11 @@ def main(argv: list[str]) -> int:
     stop_at: list[float] = []
 
     def send(sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # nothing left to signal
             if is_init:
                 os.kill(-1, sig)  # every process of the container but this one
             else:
                 os.killpg(child.pid, sig)
-        except ProcessLookupError:  # nothing left to signal
-            pass
 
     def on_stop(signum, frame) -> None:
         if not stop_at:

@@ -63,6 +63,11 @@ def same_bits_as_the_general_route(numels: list[int]) -> dict:
                         dtype.is_floating_point and torch.equal(fast.nan_to_num(), general.nan_to_num()))
                     if not same:
                         wrong.append(f"{numel} x {dtype} {name}: {fast.tolist()[:4]} != {general.tolist()[:4]}")
+        # a parameter (a leaf that requires grad), all-reduced by hand: outside autograd, as on the general route
+        p = torch.nn.Parameter(torch.full((3,), float(rank)))
+        dist.all_reduce(p, op=dist.ReduceOp.AVG)
+        if p.tolist() != [sum(range(dist.get_world_size())) / dist.get_world_size()] * 3:
+            wrong.append(f"parameter AVG: {p.tolist()}")
     return {"wrong": wrong, "fast": _took_fast_path(), "warnings": [str(w.message) for w in warned]}
 
 

@@ -32,6 +32,7 @@ ONE_SHOT_BYTES = 16 << 10  # all_reduce below this size uses one barrier (see al
 # accumulation) and bool (bytes) keep the general path
 SMALL_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64,
                 torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8}
+_FROM_NUMPY = {np.dtype(n): t for t, n in SMALL_DTYPES.items()}
 SMALL_COMBINE = {RedOp.SUM: np.add, RedOp.PRODUCT: np.multiply, RedOp.MIN: np.minimum, RedOp.MAX: np.maximum}
 
 _SMALL_VIEWS_KEPT = 64  # (parity, size, dtype) keys of small_all_reduce's views before they are made anew
@@ -149,12 +150,13 @@ class ShmTransport(Transport):
                 self.seg.slot(parity, p, torch.uint8)[:nbytes].numpy().view(dtype) for p in range(self.world_size)]
         return views
 
-    def small_all_reduce(self, call: Call, mine: np.ndarray, dtype: torch.dtype, op: RedOp, divide: bool) -> None:
-        """all_reduce as ``all_reduce`` runs one that fits a slot (same header, same steps, so a
-        peer on the general path pairs with it), on ``mine``, the numpy view of a contiguous
-        tensor of one of SMALL_DTYPES, reducing with SMALL_COMBINE[op] in rank order; ``divide``:
-        an AVG's division of the sum by the number of ranks, after it (the general path's)."""
-        header = self._begin(call, "all_reduce", dtype, mine.size, int(op))
+    def small_all_reduce(self, call: Call, mine: np.ndarray, op: RedOp) -> None:
+        """The all_reduce of a tensor that fits a slot, of one of SMALL_DTYPES, with an op of
+        SMALL_COMBINE: ``mine``, a flat numpy view of its memory, reduced in place in rank order.
+        Every rank stages all of its tensor and reduces every slot itself: one barrier instead of
+        two, and the redundant arithmetic is cheaper than the second barrier. ``all_reduce`` runs
+        such calls here too, so the small path and the general route are one protocol."""
+        header = self._begin(call, "all_reduce", _FROM_NUMPY[mine.dtype], mine.size, int(op))
         self.step += 1
         slots = self._small_slots(self.step % 2, mine.nbytes, mine.dtype)
         slots[self.rank][:] = mine
@@ -165,8 +167,6 @@ class ShmTransport(Transport):
             return
         with np.errstate(all="ignore"):  # overflow to inf, inf - inf: torch's ops warn of neither
             _combine_into(mine, slots, fn)
-            if divide:
-                np.true_divide(mine, self.world_size, out=mine)
 
     def small_broadcast(self, call: Call, mine: np.ndarray, dtype: torch.dtype, numel: int, root: int) -> None:
         """broadcast as ``broadcast`` runs one of at most ``small_bytes`` (its header and step), of
@@ -196,11 +196,13 @@ class ShmTransport(Transport):
     # collectives -------------------------------------------------------------------------------
     def all_reduce(self, call: Call, tensor: torch.Tensor, op: RedOp) -> None:
         w, r = self.world_size, self.rank
+        small = tensor.numel() * tensor.element_size() <= self.small_bytes
+        if small and tensor.dtype in SMALL_DTYPES and op in SMALL_COMBINE and tensor.is_contiguous():
+            return self.small_all_reduce(call, tensor.detach().numpy().reshape(-1), op)
         header = self._begin(call, "all_reduce", tensor.dtype, tensor.numel(), int(op))
-        if tensor.numel() * tensor.element_size() <= min(ONE_SHOT_BYTES, self.seg.chunk_bytes):
-            # small: every rank stages all of its tensor and reduces every slot itself. One
-            # barrier instead of two; the redundant arithmetic is cheaper than the second barrier.
-            # (It must fit one slot: SMDDP_SHM_CHUNK_BYTES may be set below 16 KiB.)
+        if small:
+            # as small_all_reduce, for the dtypes numpy does not reduce as torch does (16-bit
+            # floats, summed in float32) and the bitwise ops
             self.step += 1
             n = tensor.numel()
             self.seg.slot(self.step, r, tensor.dtype)[:n].copy_(tensor)
