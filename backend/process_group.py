@@ -680,6 +680,14 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if self._recorder is not None:
             self._recorder.failed(reason)
 
+    def interrupt(self, reason: str) -> None:
+        """End the call this rank waits in with a PeerFailureError saying ``reason``, and refuse
+        later calls: for a watcher outside the calls (SurvivingSync's heartbeat) that found a peer
+        lost, which the waits themselves would see only at the group's timeout. Any thread.
+        Calls on CUDA tensors through NCCL are not reached."""
+        self._failure = self._failure or f"{where(self.rank(), self.size(), 'interrupted')} {reason}"
+        self.transport.interrupt(reason)
+
     # lifetime ----------------------------------------------------------------------------------
     def shutdown(self, *args, **kwargs) -> None:
         self._close(abort=False)

@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 
 from ..call import Call
-from ..errors import where
+from ..errors import PeerFailureError, where
 from ..ops import RedOp
 
 
@@ -75,12 +75,29 @@ class Transport(abc.ABC):
     role: str = ""
     """What this transport's steps are to the user's group (the hierarchical transport's parts:
     "within the host", "between hosts"), for error messages."""
+    interrupted: str | None = None
+    """Why this rank's calls must end (``interrupt``), or None."""
 
     def __init__(self, rank: int, world_size: int, *, refusals=None, shown_as: tuple[int, int] | None = None,
                  peers_shown: list[int] | None = None, role: str = "") -> None:
         self.rank = rank
         self.world_size = world_size
         self.refusals, self.shown_as, self.peers_shown, self.role = refusals, shown_as, peers_shown, role
+
+    def interrupt(self, reason: str) -> None:
+        """End the call this rank waits in, and every later one, with a PeerFailureError saying
+        ``reason``: something outside the call found a peer lost that the call's own waits cannot
+        see before the group's timeout (a rank stopped, or cut off, found by its heartbeat).
+        Safe from any thread; waits look for it as often as they look for a peer's refusal."""
+        self.interrupted = reason
+
+    def raise_if_told(self, call: Call, op: str) -> None:
+        """Raise in a wait of ``call`` if this rank was interrupted, or (where the group has a
+        board) a peer refused the call, failed in it or called another."""
+        if self.interrupted is not None:
+            raise PeerFailureError(f"{self.where(call, op)} {self.interrupted}")
+        if self.refusals is not None:
+            self.refusals.raise_if_told(call.index, self.where(call, op))
 
     def where(self, call: Call, op: str) -> str:
         """The prefix of this transport's error messages (errors.where), naming the rank as the

@@ -18,6 +18,7 @@ from ..errors import PeerFailureError, ranks_said
 from ..ops import LOW_PRECISION, RedOp
 from ..scratch import DEFAULT_MAX_BYTES, Scratch
 from .base import Capabilities, Transport, overlap
+from .gloo_sockets import GlooSockets
 from .local_peers import LocalPeers
 from .peer_hosts import PeerHosts
 from .refusals import POLL, POLL_S, explained
@@ -69,7 +70,9 @@ class GlooTransport(Transport):
         self._local_peers = LocalPeers(store, shown_rank)
         self._peer_hosts = PeerHosts(store, shown_rank)
         sagemaker_host.use_job_interface_for_gloo()
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
+        self._pg, self._sockets = GlooSockets.opened_while(
+            lambda: dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout), store)
+        self._left_running: list = []  # works whose wait raised before gloo finished them
         # every rank published before gloo's rendezvous let this one through
         self._local_peers.learn()
         self._peer_hosts.learn()
@@ -78,10 +81,13 @@ class GlooTransport(Transport):
         self._scratch = Scratch(scratch_max_bytes)
 
     def _run(self, call: Call, op: str, work) -> None:
-        if self.refusals is None:
-            return self._wait(call, op, work, None)
-        while not self._waited_one_slice(call, op, work):
-            self.refusals.raise_if_told(call.index, self.where(call, op))  # a peer never entering
+        try:
+            while not self._waited_one_slice(call, op, work):
+                self.raise_if_told(call, op)  # a peer never entering, or one found lost meanwhile
+        except BaseException:
+            if not work.is_completed():
+                self._left_running.append(work)
+            raise
         return None
 
     def _waited_one_slice(self, call: Call, op: str, work) -> bool:
@@ -288,12 +294,20 @@ class GlooTransport(Transport):
 
         def finish() -> None:
             while not ended.wait(POLL_S):
-                if self.refusals is not None:
-                    self.refusals.raise_if_told(call.index, self.where(call, op))
+                try:
+                    self.raise_if_told(call, op)
+                except BaseException:
+                    self._left_running.append(work)
+                    raise
             if failure:
                 raise failure[0]
         return finish
 
     def close(self) -> None:
+        # a call left running (a survivor's, after a loss) would hold the group's teardown, which
+        # joins gloo's worker threads, until the group's timeout; ending its sockets ends it now
+        if any(not work.is_completed() for work in self._left_running):
+            self._sockets.shut_down()
+        self._left_running = []
         self._pg = None
         self._scratch.release()

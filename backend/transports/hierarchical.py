@@ -614,6 +614,11 @@ class HierarchicalTransport(Transport):
         self.flat.scatter(call, output, input, root)
 
 
+    def interrupt(self, reason: str) -> None:
+        super().interrupt(reason)
+        for t in (self.intra, self.inter, self.flat):
+            t.interrupt(reason)
+
     def close(self) -> None:
         for t in (self.intra, self.inter, self.flat):
             t.close()

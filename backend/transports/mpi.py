@@ -119,8 +119,7 @@ class MPITransport(Transport):
                 continue
             time.sleep(_SLEEP_S)
             if now >= next_check:
-                if self.refusals is not None:  # a peer that refused this call never enters it
-                    self.refusals.raise_if_told(call.index, self.where(call, op))
+                self.raise_if_told(call, op)  # a peer that refused this call never enters it
                 dead = self._local_peers.dead(settle=False)
                 if dead:
                     raise PeerFailureError(f"{self.where(call, op)} {ranks_said(dead)} on this machine died (its "

@@ -379,6 +379,10 @@ class ShmTransport(Transport):
         # peers that leave the call mark the segment broken, which this rank's next call sees
         self.seg.reject(call_index, reason)
 
+    def interrupt(self, reason: str) -> None:
+        super().interrupt(reason)
+        self.seg.interrupted = reason
+
     def _refusal(self) -> str | None:
         """A refusal of the current call, a failure or a mismatch posted on the group's board (set
         when this transport is the host part of a hierarchical one); peers on this host use the

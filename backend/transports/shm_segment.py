@@ -73,6 +73,7 @@ class ShmSegment:
         self.shown_as, self.peers_shown, self.refused, self.announce = shown_as, peers_shown, refused, announce
         self.rank, self.world_size, self.chunk_bytes = rank, world_size, chunk_bytes
         self.timeout_s = timeout.total_seconds()
+        self.interrupted: str | None = None  # the transport's interrupt(): waits end with it
         self._control_bytes = _align(world_size * CONTROL_WORDS * 8)
         self._reason_off = self._control_bytes
         self._data_off = _align(self._reason_off + world_size * REASON_BYTES)
@@ -217,6 +218,8 @@ class ShmSegment:
                 next_check = now + _CHECK_EVERY_S
 
     def _check_peers(self, waiting_for: int, waited_s: float) -> None:
+        if self.interrupted is not None:  # Transport.interrupt: a peer found lost from outside the call
+            self._fail_telling_others(self.interrupted)
         for peer in range(self.world_size):
             # a refusal of this call first: a refusing rank that goes on to its next call breaks
             # the group there (this rank is still inside the refused call), and under load this
