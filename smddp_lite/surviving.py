@@ -49,7 +49,8 @@ from .backend.errors import CollectiveMismatchError, SMDDPError
 
 _log = logging.getLogger("smddp_lite")
 
-_BEAT_S = 0.5
+_BEAT_S = 0.5  # how often a rank adds to its counter
+_LOOK_S = 0.1  # how often it reads the others': a stale counter is seen within this of stale_after
 
 
 class RankDeclaredLostError(SMDDPError):
@@ -151,7 +152,8 @@ class SurvivingSync:
         self._base_store = _job_store(_root_store(dist.distributed_c10d._get_default_store()))
         self.members: tuple[int, ...] = tuple(range(dist.get_world_size()))
         self.first_rank = dist.get_rank()  # this rank's id for good
-        self._heart = _Heartbeat(self._base_store, self.first_rank)
+        self._heart = _Heartbeat(self._base_store, self.first_rank, self.stale_after_s, self._found_stale)
+        self._heart.watch(self.members)
         self._base_store.set("first_world", str(dist.get_world_size()))
         self._base_store.set("how", f"{self._backend},{self._timeout}")
         self._base_store.set("running", "1")
@@ -232,7 +234,7 @@ class SurvivingSync:
         self.first_rank = int(store.get("first_world")) + ticket - 1
         backend, timeout_s = store.get("how").decode().split(",")
         self._backend, self._timeout = backend, float(timeout_s)
-        self._heart = _Heartbeat(store, self.first_rank)
+        self._heart = _Heartbeat(store, self.first_rank, self.stale_after_s, self._found_stale)
         key = f"admit/{ticket}"
         wait = (timeout or timedelta(seconds=max(self._timeout, 60))).total_seconds()
         deadline = time.monotonic() + wait
@@ -245,6 +247,7 @@ class SurvivingSync:
             time.sleep(0.02)
         generation, members = store.get(key).decode().split(";")
         self.generation, self.members = int(generation), _parse(members)
+        self._heart.watch(self.members)
         self._rebuild(self.members, self.generation)
         self._receive_state()
         change = Change(self.generation, (), (self.first_rank,), self.members, dist.get_rank(),
@@ -267,6 +270,7 @@ class SurvivingSync:
                 self._base_store.set(f"admit/{t}", f"{generation};{','.join(map(str, members))}")
         self._tickets_admitted = self._tickets_seen
         self.members, self.generation = members, generation
+        self._heart.watch(members)
         self._rebuild(members, generation)
         self._send_state()
         change = Change(generation, (), joined, members, dist.get_rank(), dist.get_world_size(), self.step,
@@ -320,6 +324,7 @@ class SurvivingSync:
                     f"{_said(lost)}, fewer than min_world_size={self.min_world_size}; the job stops here. "
                     f"Restart it from a checkpoint, or lower min_world_size to train on with fewer ranks.")
             self.members, self.generation = members, generation
+            self._heart.watch(members)
             try:
                 self._rebuild(members, generation)
                 settled = self._settle_interrupted_step()
@@ -336,27 +341,40 @@ class SurvivingSync:
             self.on_change(change)
         return settled
 
+    def _found_stale(self, ranks: tuple[int, ...], stood_s: float) -> None:
+        """On the heartbeat's thread: members stopped beating. End the call this rank waits in
+        (the lost rank may never answer it before the group's timeout); sync() then recovers as
+        from a death, and the agreement leaves those ranks out."""
+        if not set(ranks) & set(self.members):
+            return
+        reason = (f"{_said(ranks)} stopped beating (its heartbeat stood still for {stood_s:.1f} s, past "
+                  f"stale_after={self.stale_after_s:g} s): SurvivingSync declares it lost (it is stopped, hung or "
+                  "cut off)")
+        _log.warning("smddp: %s", reason)
+        try:
+            backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        except (RuntimeError, AttributeError, ValueError) as exc:  # between groups: the agreement sees it
+            _log.debug("smddp: no group to interrupt for the stale rank: %r", exc)
+            return
+        interrupt = getattr(backend, "interrupt", None)
+        if interrupt is None:  # another backend: its calls end at the group's timeout
+            _log.warning("smddp: the %s backend's calls cannot be interrupted; the survivors go on once its "
+                         "timeout passes", self._backend)
+            return
+        interrupt(reason)
+
     def _agree_on_members(self, old: tuple[int, ...], generation: int) -> tuple[int, ...]:
         store, key = self._base_store, f"{generation}"
         store.set(f"{key}/in/{self.first_rank}", str(self.step))
         decided_key = f"{key}/members"
-        beats = {r: (self._heart.read(r), time.monotonic()) for r in old}
         deadline = time.monotonic() + max(self._timeout, 4 * self.stale_after_s)
         while True:
             if store.check([decided_key]):
                 return _parse(store.get(decided_key))
             checked_in = [r for r in old if store.check([f"{key}/in/{r}"])]
-            now = time.monotonic()
-            waiting = []
-            for r in old:
-                if r in checked_in:
-                    continue
-                beat = self._heart.read(r)
-                if beat != beats[r][0]:
-                    beats[r] = (beat, now)
-                if now - beats[r][1] < self.stale_after_s:
-                    waiting.append(r)
-            if not waiting or now > deadline:
+            # a busy rank (a long forward pass) keeps beating, and is waited for
+            waiting = [r for r in old if r not in checked_in and not self._heart.stale(r)]
+            if not waiting or time.monotonic() > deadline:
                 decided = _parse(store.compare_set(decided_key, "", ",".join(map(str, checked_in))))
                 return decided
             time.sleep(0.05)
@@ -396,29 +414,80 @@ class SurvivingSync:
 
 class _Heartbeat:
     """A counter per rank in the store, added to every half second by a thread with its own store
-    client: a rank whose counter stands still is dead, stopped or cut off. The thread also reads
-    how many replacements asked to join."""
+    client, which also reads the members' counters: a member whose counter stood still for
+    ``stale_after`` is dead, stopped or cut off, and ``on_stale`` hears of it at once (a death
+    is also seen by the calls themselves; a stopped rank only at the group's timeout). The
+    thread also reads how many replacements asked to join."""
 
-    def __init__(self, store: dist.PrefixStore, rank: int) -> None:
-        self.store, self.rank = store, rank
+    def __init__(self, store: dist.PrefixStore, rank: int, stale_after_s: float,
+                 on_stale: Callable[[tuple[int, ...], float], None] | None = None) -> None:
+        self.store, self.rank, self.stale_after_s, self.on_stale = store, rank, stale_after_s, on_stale
         self._stop = threading.Event()
         self._beating_store = _job_store(_own_client(store.underlying_store))
         self._beating_store.add(self._key(rank), 1)
         self.tickets = 0  # replacements that asked to join so far, as last read
+        self._lock = threading.Lock()
+        self._seen: dict[int, tuple[int, float]] = {}  # member -> (its count, when it last moved)
+        self._declared: set[int] = set()  # members on_stale was told of
+        self._all_beating = False  # every watched member's key exists (then one multi_get reads them)
         self._thread = threading.Thread(target=self._beat, name="smddp-heartbeat", daemon=True)
         self._thread.start()
 
     def _key(self, rank: int) -> str:
         return f"beat/{rank}"
 
+    def watch(self, members: Iterable[int]) -> None:
+        """Read these ranks' counters from now on (this rank's own excepted); a rank watched
+        before keeps its count and the time it last moved."""
+        now = time.monotonic()
+        with self._lock:
+            self._seen = {r: self._seen.get(r, (-1, now)) for r in members if r != self.rank}
+            self._all_beating = False
+
+    def stale(self, rank: int) -> bool:
+        """Whether watched ``rank``'s counter stood still for ``stale_after`` (as of the last look)."""
+        with self._lock:
+            count, since = self._seen.get(rank, (-1, time.monotonic()))
+        return time.monotonic() - since >= self.stale_after_s
+
     def _beat(self) -> None:
-        while not self._stop.wait(_BEAT_S):
+        next_beat = time.monotonic() + _BEAT_S
+        while not self._stop.wait(_LOOK_S):
             try:
-                self._beating_store.add(self._key(self.rank), 1)
-                self.tickets = self._beating_store.add("tickets", 0)
+                if time.monotonic() >= next_beat:
+                    self._beating_store.add(self._key(self.rank), 1)
+                    self.tickets = self._beating_store.add("tickets", 0)
+                    next_beat = time.monotonic() + _BEAT_S
+                self._look()
             except Exception as exc:  # the store is gone: the job is ending
                 _log.debug("smddp: the heartbeat stopped: %r", exc)
                 return
+
+    def _look(self) -> None:
+        with self._lock:
+            ranks = list(self._seen)
+            all_beating = self._all_beating
+        if not ranks:
+            return
+        keys = [self._key(r) for r in ranks]
+        if not all_beating:  # multi_get would wait for a key that no beat made yet
+            all_beating = self._beating_store.check(keys)
+        counts = [int(c) for c in self._beating_store.multi_get(keys)] if all_beating else [
+            self._beating_store.add(k, 0) for k in keys]
+        now, stale, stood = time.monotonic(), [], 0.0
+        with self._lock:
+            self._all_beating = all_beating or self._all_beating
+            for r, count in zip(ranks, counts):
+                if r not in self._seen:  # no longer watched
+                    continue
+                if count != self._seen[r][0]:
+                    self._seen[r] = (count, now)
+                elif now - self._seen[r][1] >= self.stale_after_s and r not in self._declared:
+                    self._declared.add(r)
+                    stale.append(r)
+                    stood = max(stood, now - self._seen[r][1])
+        if stale and self.on_stale is not None:
+            self.on_stale(tuple(stale), stood)
 
     def read(self, rank: int) -> int:
         return self.store.add(self._key(rank), 0)

@@ -1,7 +1,8 @@
 """SurvivingSync: training goes on among the ranks left when one is lost, on every rank the same.
 
-Each job trains a small model for STEPS steps; one rank fails at FAULT_STEP (SIGKILLed while it
-syncs, os._exit, or SIGSTOPped past the group's timeout). The survivors must apply the same
+Each job trains a small model for STEPS steps with torch's default group timeout; one rank fails
+at FAULT_STEP (SIGKILLed while it syncs, os._exit, or SIGSTOPped, which only its heartbeat
+shows). The survivors must apply the same
 parameters after every step (their checksums, bit for bit), equal to a reference computed here
 in one process (the average over all ranks before the loss, over the survivors after it; the
 interrupted step may be either, as a survivor may have received the full average before the
@@ -20,13 +21,20 @@ import torch
 from . import harness, tiers
 from .surviving_programs import LR, batch, model
 
-STEPS, FAULT_STEP, GROUP_TIMEOUT_S = 14, 5, 4.0
-RESUME_BOUND_S = 5.0  # from the failure: the death, or the timeout a stopped rank runs past
+# torch's default group timeout, as users keep it: no failure may wait for it
+STEPS, FAULT_STEP, GROUP_TIMEOUT_S = 14, 5, 1800.0
+# from the failure (a death or a stop) to the survivors' next step: stale_after (2 s) and a
+# second, plus half a second for a loaded test machine
+RESUME_BOUND_S = 3.5
 TRANSPORTS = {  # transport: (ranks, environment, layout)
     "shm": (3, {"SMDDP_TRANSPORT": "shm"}, {}),
-    "gloo": (3, {"SMDDP_TRANSPORT": "gloo"}, {}),
+    # 4 ranks: a survivor's gloo call can then wait on another survivor that left it
+    "gloo": (4, {"SMDDP_TRANSPORT": "gloo"}, {}),
     "hierarchical": (4, {"SMDDP_ALGORITHM": "hierarchical"}, {"hosts_of": 2}),
 }
+# the rank each transport loses: on gloo rank 0, the case that once held the survivors in the old
+# group's teardown for the group's timeout
+VICTIM = {"shm": 1, "gloo": 0, "hierarchical": 1}
 
 
 def _reference(world: int, lost: int | None, full_average_at_fault: bool = False, joined_at: int | None = None,
@@ -66,10 +74,11 @@ def _run(transport: str, faults: dict, tmp_path: Path, steps: int = STEPS, **kwa
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("kind", ["sigkill", "exit", "sigstop"])
 def test_survivors_go_on_together_after_a_rank_is_lost(transport, kind, tmp_path):
+    victim = VICTIM[transport]
     before = set(Path("/dev/shm").glob("smddp-*"))
     world = TRANSPORTS[transport][0]
-    results = _run(transport, {"1": [kind, FAULT_STEP]}, tmp_path)
-    survivors = [r for r in results if r.rank != 1]
+    results = _run(transport, {str(victim): [kind, FAULT_STEP]}, tmp_path)
+    survivors = [r for r in results if r.rank != victim]
     for r in survivors:
         assert r.error is None and r.value is not None, (r.rank, r.error, r.output[-3000:])
     values = [r.value for r in survivors]
@@ -77,17 +86,16 @@ def test_survivors_go_on_together_after_a_rank_is_lost(transport, kind, tmp_path
     assert len(checksums) == STEPS
     for v in values[1:]:
         assert v["checksums"] == checksums, "survivors applied different parameters"
-    references = [_reference(world, 1, full) for full in (True, False)]
+    references = [_reference(world, victim, full) for full in (True, False)]
     assert any(checksums == pytest.approx(ref, rel=1e-6) for ref in references), (checksums, references)
-    fault_at = float((tmp_path / "fault-1").read_text())
-    bound = RESUME_BOUND_S + (GROUP_TIMEOUT_S if kind == "sigstop" else 0)
-    members = [r for r in range(world) if r != 1]
+    fault_at = float((tmp_path / f"fault-{victim}").read_text())
+    members = [r for r in range(world) if r != victim]
     for v in values:
         assert v["worlds"] == [world] * FAULT_STEP + [world - 1] * (STEPS - FAULT_STEP)
         (change,) = v["changes"]
-        assert (change["lost"], change["members"], change["world_size"]) == ([1], members, world - 1)
+        assert (change["lost"], change["members"], change["world_size"]) == ([victim], members, world - 1)
         assert change["rank"] == members.index(v["first_rank"])
-        assert change["at"] - fault_at < bound, f"resumed {change['at'] - fault_at:.2f} s after the fault"
+        assert change["at"] - fault_at < RESUME_BOUND_S, f"resumed {change['at'] - fault_at:.2f} s after the fault"
     assert set(Path("/dev/shm").glob("smddp-*")) <= before, "a segment was left in /dev/shm"
 
 
