@@ -19,7 +19,7 @@ from .launch import init
 from .backend.flight_recorder import dump as dump_fr_trace, write as write_fr_trace
 
 __version__ = "0.1.0"
-__all__ = ["BACKEND_NAME", "SurvivingSync", "compile", "dump_fr_trace", "init", "scale_lr", "write_fr_trace",
+__all__ = ["BACKEND_NAME", "ElasticSampler", "SurvivingSync", "compile", "dump_fr_trace", "init", "scale_lr", "write_fr_trace",
            "__version__"]
 
 _register()
@@ -33,6 +33,11 @@ def __getattr__(name: str):
 
         globals()["compile"] = compile
         return compile
+    if name == "ElasticSampler":
+        from .sampling import ElasticSampler
+
+        globals()["ElasticSampler"] = ElasticSampler
+        return ElasticSampler
     if name == "SurvivingSync":
         from .surviving import SurvivingSync
 

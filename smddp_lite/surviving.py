@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .backend.errors import CollectiveMismatchError, SMDDPError
+from .sampling import ElasticSampler
 
 _log = logging.getLogger("smddp_lite")
 
@@ -74,6 +75,9 @@ class Change:
     world_size: int  # the new group's size
     step: int  # the sync at which the group changed (0 is the first ``sync()``)
     seconds: float  # from this rank's failed call (or its admission's start) to the new group's first call
+    # the first sync whose average the new members make, the same on every rank (``step`` is
+    # this rank's: after a loss, a rank whose average had arrived is one sync ahead)
+    first_step: int
 
 
 class SurvivingSync:
@@ -86,13 +90,15 @@ class SurvivingSync:
     rank (docs/surviving.md)::
 
         import smddp_lite
-        sync = smddp_lite.SurvivingSync(model, optimizer, min_world_size=2,
-                                        on_change=lambda c: sampler.set_world(c.rank, c.world_size))
-        for step in range(sync.step, steps):       # a replacement starts at the job's step
-            model(batch(step)).loss.backward()
-            sync()                      # the average over the live ranks, in every param.grad
-            optimizer.step()
-            optimizer.zero_grad()
+        sampler = smddp_lite.ElasticSampler(len(dataset), batch_size=32)
+        sync = smddp_lite.SurvivingSync(model, optimizer, min_world_size=2, sampler=sampler)
+        for epoch in range(sampler.epoch, epochs):  # a replacement starts in the job's epoch
+            sampler.set_epoch(epoch)
+            for indices in sampler:                 # this rank's part of the step, re-split at changes
+                model(batch_of(dataset, indices)).loss.backward()
+                sync()                  # the average over the live ranks, in every param.grad
+                optimizer.step()
+                optimizer.zero_grad()
 
     Args:
         model: the module (or an iterable of parameters) whose ``.grad`` are averaged. Every rank
@@ -102,10 +108,12 @@ class SurvivingSync:
         min_world_size: below this many live ranks, ``sync()`` raises ``TooFewRanksError`` on
             every survivor.
         on_change: called on every rank after each change (a loss, or replacements admitted),
-            with a ``Change``: the place to re-split a sampler's data.
+            with a ``Change``: the place to remake other groups, or re-split data by hand.
         stale_after: how long a rank's heartbeat may stand still before the survivors count it
             lost (a rank that is alive but stopped, or cut off).
         timeout: the process group's timeout where this makes the group (no group yet).
+        sampler: an ``ElasticSampler``, told of every change (so that no sample of the epoch is
+            skipped or trained twice) and sent to each replacement with the job's state.
 
     Other process groups made from the old default group are gone after a change: make them
     again in ``on_change``.
@@ -114,7 +122,8 @@ class SurvivingSync:
     def __init__(self, model: torch.nn.Module | Iterable[torch.Tensor],
                  optimizer: torch.optim.Optimizer | None = None, *, min_world_size: int = 1,
                  on_change: Callable[[Change], None] | None = None,
-                 stale_after: timedelta = timedelta(seconds=2), timeout: timedelta | None = None) -> None:
+                 stale_after: timedelta = timedelta(seconds=2), timeout: timedelta | None = None,
+                 sampler: ElasticSampler | None = None) -> None:
         params = model.parameters() if isinstance(model, torch.nn.Module) else model
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
@@ -122,6 +131,8 @@ class SurvivingSync:
         if min_world_size < 1:
             raise ValueError(f"min_world_size must be 1 or more, found {min_world_size}")
         self.optimizer, self.min_world_size, self.on_change = optimizer, min_world_size, on_change
+        self.sampler = sampler
+        self._first_new_step = 0
         self.stale_after_s = stale_after.total_seconds()
         self.generation = 0
         self.step = 0  # the next sync's number
@@ -157,6 +168,8 @@ class SurvivingSync:
         self._base_store.set("first_world", str(dist.get_world_size()))
         self._base_store.set("how", f"{self._backend},{self._timeout}")
         self._base_store.set("running", "1")
+        if sampler is not None:
+            sampler.attach(self.first_rank, self.members)
 
     @property
     def rank(self) -> int:
@@ -251,11 +264,10 @@ class SurvivingSync:
         self._rebuild(self.members, self.generation)
         self._receive_state()
         change = Change(self.generation, (), (self.first_rank,), self.members, dist.get_rank(),
-                        dist.get_world_size(), self.step, time.monotonic() - started)
+                        dist.get_world_size(), self.step, time.monotonic() - started, self.step)
         _log.warning("smddp: joined as rank %d of %d at sync %d, %.2f s after starting", change.rank,
                      change.world_size, change.step, change.seconds)
-        if self.on_change is not None:
-            self.on_change(change)
+        self._tell(change)
 
     def _admit(self) -> None:
         """Every member, at the same sync: make the group again with the waiting replacements last,
@@ -274,15 +286,21 @@ class SurvivingSync:
         self._rebuild(members, generation)
         self._send_state()
         change = Change(generation, (), joined, members, dist.get_rank(), dist.get_world_size(), self.step,
-                        time.monotonic() - started)
+                        time.monotonic() - started, self.step)
         _log.warning("smddp: admitted %s at sync %d; %d ranks now (this one is rank %d), %.2f s",
                      _said(joined), self.step, change.world_size, change.rank, change.seconds)
+        self._tell(change)
+
+    def _tell(self, change: Change) -> None:
+        if self.sampler is not None:
+            self.sampler.changed(change)
         if self.on_change is not None:
             self.on_change(change)
 
     def _send_state(self) -> None:
         state = [{"step": self.step, "tickets": self._tickets_admitted,
-                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}]
+                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                  "sampler": self.sampler.state_dict() if self.sampler is not None else None}]
         dist.broadcast_object_list(state, src=0)
         with torch.no_grad():
             for p in self.params:
@@ -298,6 +316,9 @@ class SurvivingSync:
         self._tickets_admitted = self._tickets_seen = state[0]["tickets"]
         if self.optimizer is not None and state[0]["optimizer"] is not None:
             self.optimizer.load_state_dict(state[0]["optimizer"])
+        if self.sampler is not None and state[0]["sampler"] is not None:
+            self.sampler.load_state_dict(state[0]["sampler"])
+            self.sampler.me = self.first_rank
 
     # after a loss -------------------------------------------------------------------------------
     def _recover(self, failure: BaseException) -> bool:
@@ -333,12 +354,11 @@ class SurvivingSync:
                 continue
             break
         change = Change(generation, lost, (), members, dist.get_rank(), dist.get_world_size(), interrupted,
-                        time.monotonic() - started)
+                        time.monotonic() - started, self._first_new_step)
         _log.warning("smddp: lost %s; going on with %d ranks (this one is now rank %d), %.2f s after the "
                      "failure at sync %d: %s", _said(lost), change.world_size, change.rank, change.seconds,
                      change.step, failure)
-        if self.on_change is not None:
-            self.on_change(change)
+        self._tell(change)
         return settled
 
     def _found_stale(self, ranks: tuple[int, ...], stood_s: float) -> None:
@@ -394,6 +414,8 @@ class SurvivingSync:
         rows = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, torch.tensor([self.step, self._tickets_seen], dtype=torch.int64))
         steps = [int(row[0]) for row in rows]
+        # a rank ahead finished the behind ones' step with the old members' average
+        self._first_new_step = max(steps)
         # a rank a step ahead read the ticket count in the average the others missed
         self._tickets_seen = max(int(row[1]) for row in rows)
         behind = min(steps)
