@@ -10,8 +10,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ._registration import BACKEND_NAME
-from .backend.errors import where
+from .._registration import BACKEND_NAME
+from ..backend.errors import where
 
 
 def _launched_by_mpi() -> bool:
