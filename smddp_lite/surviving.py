@@ -51,7 +51,7 @@ from .sampling import ElasticSampler
 _log = logging.getLogger("smddp_lite")
 
 _BEAT_S = 0.5  # how often a rank adds to its counter
-_LOOK_S = 0.1  # how often it reads the others': a stale counter is seen within this of stale_after
+_LOOK_S = 0.25  # how often it reads the others': a stale counter is seen within this of stale_after
 
 
 class RankDeclaredLostError(SMDDPError):
