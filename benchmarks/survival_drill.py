@@ -4,13 +4,23 @@ A job of ``--hosts`` x ``--per-host`` ranks (network namespaces with rate-limite
 benchmarks/multinode/cluster.py) trains the convergence benchmark's classifier (64 -> 256 -> 256
 -> 10, AdamW) with ``smddp_lite.SurvivingSync``, the rendezvous store in a process of its own on
 host 0, and torch's default group timeout (30 minutes) unless ``--group-timeout`` says
-otherwise. The driver injects failures at random steps, one at a time: a rank SIGKILLed,
-stopped (SIGSTOP), exiting (``os._exit``) at its next step, or the last host's link taken down
-(every rank on it cut off) for a few seconds; the survivors must go on within ``stale_after``
-(2 s) and a second of each, found by the heartbeat where no call sees it. After each it waits for the
-survivors to go on, ends what is left of the lost ranks, and starts a replacement for each on
-the same host, as a launcher would; the next failure comes once the group is whole again and
-has trained ``--gap`` steps. Every rank logs each step's parameter checksum; the driver checks
+otherwise. Each host's ranks are started by ``python -m smddp_lite.launch`` (``--launcher agent``: by
+a small agent of the drill's, for uneven ``--layout``s), which starts a replacement in the
+place of each rank whose process ends. The driver injects failures at random steps, one at a
+time:
+
+- ``sigkill``: a rank SIGKILLed;
+- ``sigstop``: a rank stopped;
+- ``exit``: a rank calling ``os._exit`` at its next step;
+- ``link``: the last host's link taken down (every rank on it cut off) for a few seconds;
+- ``pair``: two ranks SIGKILLed at once;
+- ``comeback``: a rank stopped, and let go on once the others went on without it, which must
+  end it with ``RankDeclaredLostError``.
+
+The survivors must go on within ``stale_after`` (2 s) and a second of each (the heartbeat
+finds the silent ones). The driver then ends what is left of the lost ranks, and waits for the
+replacements to train; the next failure comes once the group is whole again and has trained
+``--gap`` steps. Every rank logs each step's parameter checksum; the driver checks
 after the run that every rank that logged a step logged the same checksum, and reports how long
 the survivors took to go on, how long each replacement took from its start to its first step
 done, and whether any process or /dev/shm segment was left. Needs root::
@@ -40,10 +50,11 @@ from pathlib import Path
 
 from benchmarks.convergence import _teacher_and_held_out as teacher_and_held_out  # the same task
 
+STARTED_AT = time.time()  # this process's start (before torch's import), for a replacement's timing
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORE_PORT = 29500
 GROUP_TIMEOUT_S = 1800.0  # torch's default: no failure may wait for it
-KINDS = ("sigkill", "sigstop", "exit", "link")
+KINDS = ("sigkill", "sigstop", "exit", "link", "pair", "comeback")
 RESUME_BOUND_S = 3.0  # after any failure: the heartbeat's stale_after (2 s) and a second
 REPLACEMENT_BOUND_S = 10.0
 
@@ -55,6 +66,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import smddp_lite
+    from smddp_lite.surviving import RankDeclaredLostError
 
     torch.set_num_threads(1)
     logs = Path(args.dir)
@@ -75,7 +87,8 @@ def worker(args) -> None:
     me = sync.first_rank
     log = open(logs / f"rank-{me}.jsonl", "a")
     (logs / f"pid-{me}").write_text(str(os.getpid()))
-    write({"event": "started", "id": me, "pid": os.getpid(), "at": time.time(), "step": sync.step})
+    write({"event": "started", "id": me, "pid": os.getpid(), "at": time.time(), "step": sync.step,
+           "process_at": STARTED_AT, "host": int(os.environ["GROUP_RANK"])})
     stop_file, stop_at = logs / "stop-at", None
     step = sync.step
     while stop_at is None or step < stop_at:
@@ -91,7 +104,11 @@ def worker(args) -> None:
             y = teacher(x).argmax(1)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         time.sleep(args.step_s)
-        sync()
+        try:
+            sync()
+        except RankDeclaredLostError:  # stopped, let go on after the others decided
+            write({"event": "refused", "id": me, "at": time.time()})
+            sys.exit(1)
         optimizer.step()
         optimizer.zero_grad()
         checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
@@ -122,6 +139,7 @@ def agent(args) -> None:
     layout = _layout(args)
     first = sum(layout[:host])
     env["LOCAL_WORLD_SIZE"] = str(layout[host])
+    env["GROUP_RANK"] = str(host)
     for rank in range(first, first + layout[host]):
         start({"RANK": str(rank), "LOCAL_RANK": str(rank - first)})
     served = set()
@@ -141,8 +159,10 @@ def agent(args) -> None:
 
 # the driver ---------------------------------------------------------------------------------------
 class Drill:
-    def __init__(self, cluster, logs: Path, layout: list[int], rng: random.Random, replace: bool = True) -> None:
+    def __init__(self, cluster, logs: Path, layout: list[int], rng: random.Random, replace: bool = True,
+                 by_launcher: bool = False) -> None:
         self.cluster, self.logs, self.rng, self.replace = cluster, logs, rng, replace
+        self.by_launcher = by_launcher  # replacements come from smddp_lite.launch, not the drill's requests
         self.world = sum(layout)
         self.host_of = {r: h for h, n in enumerate(layout) for r in range(sum(layout[:h]), sum(layout[:h]) + n)}
         self.spawned = 0
@@ -200,14 +220,17 @@ class Drill:
         if kind == "link":
             host = self.cluster.hosts - 1  # never host 0, where the store is
             victims = [r for r in live if self.host_of[r] == host]
+        elif kind == "pair":
+            victims = self.rng.sample(live, 2)
         else:
             victims = [self.rng.choice(live)]
         self.victims.update(victims)
         fault_at = time.time()
         port = f"{self.cluster.bridge}p{self.cluster.hosts - 1}"
-        if kind == "sigkill":
-            os.kill(self.pid(victims[0]), signal.SIGKILL)
-        elif kind == "sigstop":
+        if kind in ("sigkill", "pair"):
+            for v in victims:
+                os.kill(self.pid(v), signal.SIGKILL)
+        elif kind in ("sigstop", "comeback"):
             os.kill(self.pid(victims[0]), signal.SIGSTOP)
         elif kind == "exit":
             (self.logs / f"exit-{victims[0]}").touch()
@@ -222,6 +245,11 @@ class Drill:
 
         changes = self.wait_for(went_on, 60, f"the survivors of {kind} on {victims} to go on")
         resumed = max(c["at"] for c in changes) - fault_at
+        refused = None
+        if kind == "comeback":  # let it go on: it must find itself declared lost, and end
+            os.kill(self.pid(victims[0]), signal.SIGCONT)
+            refused = bool(self.wait_for(lambda: [r for r in self.records.get(victims[0], [])
+                                                  if r.get("event") == "refused"], 60, f"{victims[0]} to be refused"))
         for v in victims:  # what is left of them: stopped, or cut off and still waiting
             with contextlib.suppress(ProcessLookupError):  # already gone (killed, or exited)
                 os.kill(self.pid(v), signal.SIGKILL)
@@ -229,8 +257,10 @@ class Drill:
             subprocess.run(["ip", "link", "set", port, "up"], check=True)
         if not self.replace:
             return {"kind": kind, "lost": victims, "joined": [], "step": before, "resumed_s": resumed,
-                    "replacement_s": []}
-        started = {self.spawn_replacement(self.host_of[v]): v for v in victims}
+                    "replacement_s": [], "refused": refused}
+        if not self.by_launcher:  # the launcher starts them itself once their processes end
+            for v in victims:
+                self.spawn_replacement(self.host_of[v])
         first_new = max(self.host_of) + 1
 
         def grown_back():
@@ -238,13 +268,13 @@ class Drill:
             return joined if len(joined) == len(victims) else None
 
         joined = self.wait_for(grown_back, 60, f"replacements for {victims} to train")
-        spawn_times = sorted(started)
         training = []
-        for rid, spawned_at in zip(sorted(joined), spawn_times):
-            self.host_of[rid] = self.host_of[started[spawned_at]]
-            training.append(self.steps_of(rid)[0]["at"] - spawned_at)
+        for rid in sorted(joined):
+            start = next(r for r in self.records[rid] if r.get("event") == "started")
+            self.host_of[rid] = start["host"]
+            training.append(self.steps_of(rid)[0]["at"] - start["process_at"])
         return {"kind": kind, "lost": victims, "joined": sorted(joined), "step": before,
-                "resumed_s": resumed, "replacement_s": training}
+                "resumed_s": resumed, "replacement_s": training, "refused": refused}
 
     def check(self) -> dict:
         self.read()
@@ -281,11 +311,22 @@ def drive(args) -> dict:
         server = f"import time, torch.distributed as d; s = d.TCPStore('0.0.0.0', {STORE_PORT}, is_master=True, " \
                  "wait_for_workers=False); time.sleep(1e9)"
         store_server = cluster.spawn(0, [sys.executable, "-c", server], env=env)
-        agents = [cluster.spawn(h, [sys.executable, "-m", "benchmarks.survival_drill", "agent", "--dir", str(logs),
-                                    "--host", str(h), "--layout", ",".join(map(str, layout)), "--seed",
-                                    str(args.seed), "--step-s", str(args.step_s), "--group-timeout",
-                                    str(args.group_timeout)], env=env) for h in range(len(layout))]
-        drill = Drill(cluster, logs, layout, rng, replace=not args.no_replace)
+        shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("smddp")}
+        by_launcher = args.launcher == "smddp" and len(set(layout)) == 1  # the launcher's ranks: as many per host
+        worker_args = ["-m", "benchmarks.survival_drill", "worker", "--dir", str(logs), "--seed", str(args.seed),
+                       "--step-s", str(args.step_s), "--group-timeout", str(args.group_timeout)]
+        if by_launcher:
+            agents = [cluster.spawn(h, [sys.executable, "-m", "smddp_lite.launch", "--nnodes", str(len(layout)),
+                                        "--node-rank", str(h), "--nproc-per-node", str(layout[h]), "--master-addr",
+                                        "sim-host-0", "--master-port", str(STORE_PORT), "--store-outside",
+                                        "--max-restarts", str(0 if args.no_replace else 100_000), *worker_args],
+                                    env=env) for h in range(len(layout))]
+        else:
+            agents = [cluster.spawn(h, [sys.executable, "-m", "benchmarks.survival_drill", "agent", "--dir",
+                                        str(logs), "--host", str(h), "--layout", ",".join(map(str, layout)), "--seed",
+                                        str(args.seed), "--step-s", str(args.step_s), "--group-timeout",
+                                        str(args.group_timeout)], env=env) for h in range(len(layout))]
+        drill = Drill(cluster, logs, layout, rng, replace=not args.no_replace, by_launcher=by_launcher)
         started = time.time()
         drill.wait_for(lambda: all(drill.steps_of(r) for r in range(world)), 120, "the job to start")
         try:
@@ -317,12 +358,16 @@ def drive(args) -> dict:
                     except subprocess.TimeoutExpired:  # reported, and ended with the cluster
                         hung.append(host)
                 results["agents_hung"] = hung
+                results["launchers_exit"] = [a.returncode for a in agents] if by_launcher else None
                 os.killpg(store_server.pid, signal.SIGKILL)  # the job is over: what else is left?
                 store_server.wait(timeout=10)
                 results["processes_left"] = _left_in(cluster)
         results["seconds"] = time.time() - started
-    results["shm_left"] = {h: json.loads((logs / f"shm-host{h}.json").read_text()) for h in range(len(layout))
-                           if (logs / f"shm-host{h}.json").exists()}
+    if by_launcher:  # every host's ranks share this machine's /dev/shm
+        results["shm_left"] = {0: sorted({n for n in os.listdir("/dev/shm") if n.startswith("smddp")} - shm_before)}
+    else:
+        results["shm_left"] = {h: json.loads((logs / f"shm-host{h}.json").read_text()) for h in range(len(layout))
+                               if (logs / f"shm-host{h}.json").exists()}
     results.update(drill.check())
     if results["unplanned_losses"]:  # what the lost ranks printed, before the log folder goes
         results["outputs"] = {p.name: p.read_text()[-4000:] for p in sorted(logs.glob("out-host*.txt"))}
@@ -336,7 +381,8 @@ def drive(args) -> dict:
                                                           for k in KINDS},
         "resumed_s": _spread(resumed), "replacement_s": _spread(replaced),
         "resumed_within_bound": sum(r <= RESUME_BOUND_S for r in resumed),
-        "replacements_within_bound": sum(s <= REPLACEMENT_BOUND_S for s in replaced), "replacements": len(replaced)}
+        "replacements_within_bound": sum(s <= REPLACEMENT_BOUND_S for s in replaced), "replacements": len(replaced),
+        "comebacks_refused": sum(f.get("refused") is True for f in results["failures"])}
     return results
 
 
@@ -393,6 +439,9 @@ def main() -> None:
     parser.add_argument("--no-replace", action="store_true", help="no replacements: the group only shrinks")
     parser.add_argument("--window", help="FROM,TO: report the steps per second between these steps")
     parser.add_argument("--out", help="write OUT.json")
+    parser.add_argument("--launcher", choices=("smddp", "agent"), default="smddp",
+                        help="who starts the ranks and their replacements: python -m smddp_lite.launch on each "
+                             "host (the store apart, on host 0), or the drill's own agent (any --layout)")
     args = parser.parse_args()
     if args.role == "worker":
         return worker(args)

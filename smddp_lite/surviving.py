@@ -1,7 +1,8 @@
 """Data-parallel training that goes on when a rank is lost, without a restart.
 
 ``SurvivingSync`` averages a model's gradients over the ranks that are alive. When a rank dies,
-stops past the group's timeout or exits mid-step, the call that met it fails on the survivors;
+stops (found by its heartbeat, which then interrupts the waiting call) or exits mid-step, the
+call that met it fails on the survivors;
 they then agree on who is left (through the rendezvous store, which must outlive any rank, as
 torchrun's agent store does), build a new default process group among themselves (every
 transport is rebuilt by the new group's own rendezvous), redo the interrupted gradient
@@ -17,7 +18,9 @@ compare steps: those a step ahead still hold the average the others missed (the 
 averages are kept), send it to them, and everyone goes on from the next step's sync together.
 
 Who is left: each rank checks in under the new generation's keys when its call fails, and a
-thread beats a counter in the store every half second. The survivors wait until every rank of
+thread beats a counter in the store every half second and reads the members' counters four
+times a second; a member whose counter stood still for ``stale_after`` is declared lost at once,
+whatever the group's timeout (``ProcessGroupSMDDP.interrupt``). The survivors wait until every rank of
 the old group has checked in or has a counter that stood still for ``stale_after``; the first
 to decide writes the members with a compare-and-set, and everyone adopts that list. A rank that
 checks in later (it was stopped, or its network came back) finds itself missing and raises

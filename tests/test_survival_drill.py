@@ -1,6 +1,8 @@
 """The lost-rank drill at a small size, in the multi-host lab: 2 simulated hosts x 2 ranks at
 1 Gbit/s, one failure of each kind (a rank SIGKILLed, stopped, exiting; the second host's link
-down), each followed by replacements (benchmarks/survival_drill.py, whose full run makes 100)."""
+down; two ranks killed at once; a stopped rank let go on, which must be refused), each followed
+by the replacements that each host's ``python -m smddp_lite.launch`` starts
+(benchmarks/survival_drill.py, whose full run makes 60)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from . import harness, tiers
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
 def test_the_lab_drill_trains_through_each_kind_of_failure(tmp_path):
     out = tmp_path / "drill"
-    kinds = KINDS[:tiers.size(1, 4)]  # the quick tier: one rank SIGKILLed
+    kinds = KINDS[:tiers.size(1, len(KINDS))]  # the quick tier: one rank SIGKILLed
     run = subprocess.run([sys.executable, "-m", "benchmarks.survival_drill", "--failures", str(len(kinds)), "--cycle",
                           "--gap", "5", "--out", str(out)], cwd=harness.ROOT, capture_output=True, text=True,
                          timeout=400)
@@ -30,10 +32,12 @@ def test_the_lab_drill_trains_through_each_kind_of_failure(tmp_path):
     # after every step, every rank that took it holds the same parameters
     assert results["steps_with_differing_parameters"] == [], results["steps_with_differing_parameters"]
     assert summary["resumed_within_bound"] == len(kinds), results["failures"]
-    replaced = len(kinds) + ("link" in kinds)  # a host's link down loses both of its ranks
+    replaced = len(kinds) + ("link" in kinds) + ("pair" in kinds)  # both ranks of a host, or two at once
     assert summary["replacements"] == replaced and summary["replacements_within_bound"] == replaced, \
         results["failures"]
     assert results["unplanned_losses"] == [], results.get("outputs")
     assert results["ranks_done"] == 4 and len(results["held_out_loss"]) == 1, results
+    assert summary["comebacks_refused"] == int("comeback" in kinds), results["failures"]
+    assert results["launchers_exit"] == [0, 0], results["launchers_exit"]  # the job's status: it ended well
     assert results["agents_hung"] == [] and all(not pids for pids in results["processes_left"].values()), results
     assert all(not names for names in results["shm_left"].values()), results["shm_left"]
