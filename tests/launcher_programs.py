@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 import smddp_lite  # noqa: E402
 
-from .surviving_programs import FEATURES, LR, model  # noqa: E402
+from .surviving_programs import FEATURES, LR, model, step_done  # noqa: E402
 
 STEP_S = 0.1  # the compute each step stands for, so that a replacement has steps left to join
 PER_RANK = 4  # samples per rank and step
@@ -61,10 +61,7 @@ def main(marks: str, steps: int, fault: str = "") -> None:
         trained.write(json.dumps(indices) + "\n")
         trained.flush()
         first_sync_at = first_sync_at or time.time()
-        optimizer.step()
-        optimizer.zero_grad()
-        checksums.append(sum(float(p.detach().double().sum()) for p in net.parameters()))
-        worlds.append(sync.world_size)
+        step_done(net, optimizer, sync, checksums, worlds)
     sync.close()
     dist.destroy_process_group()
     Path(marks, f"{os.getpid()}.json").write_text(json.dumps(

@@ -76,6 +76,14 @@ def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, mi
     return {"checksums": checksums, "worlds": worlds, "changes": changes, "first_rank": rank}
 
 
+def step_done(net, optimizer, sync, checksums: list, worlds: list) -> None:
+    """After a step's sync: the optimizer's step, then the parameters' checksum and the world size."""
+    optimizer.step()
+    optimizer.zero_grad()
+    checksums.append(sum(float(p.detach().double().sum()) for p in net.parameters()))
+    worlds.append(sync.world_size)
+
+
 def _said(c) -> dict:
     return {"generation": c.generation, "lost": list(c.lost), "joined": list(c.joined), "members": list(c.members),
             "rank": c.rank, "world_size": c.world_size, "step": c.step, "seconds": c.seconds, "at": time.time()}
@@ -102,10 +110,7 @@ def replacement(steps: int, marks: str, n: int, step_s: float = 0.0) -> None:
         time.sleep(step_s)
         sync()
         first_sync_at = first_sync_at or time.time()
-        optimizer.step()
-        optimizer.zero_grad()
-        checksums.append(sum(float(p.detach().double().sum()) for p in net.parameters()))
-        worlds.append(sync.world_size)
+        step_done(net, optimizer, sync, checksums, worlds)
     sync.close()
     dist.destroy_process_group()
     Path(marks, f"replacement-{n}.json").write_text(json.dumps(
@@ -128,7 +133,4 @@ def _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums
             if kind == "sigkill":
                 threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGKILL), daemon=True).start()
         sync()
-        optimizer.step()
-        optimizer.zero_grad()
-        checksums.append(sum(float(p.detach().double().sum()) for p in net.parameters()))
-        worlds.append(sync.world_size)
+        step_done(net, optimizer, sync, checksums, worlds)
