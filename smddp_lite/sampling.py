@@ -69,7 +69,7 @@ class ElasticSampler:
         self._global_batch: int | None = None  # with constant_global_batch: batch_size * the first world size
         self._pool: list[int] | None = None  # this epoch's samples left, in order
         self._drawn = 0  # steps drawn in the job, over epochs
-        self._last: tuple[int, list[int], list[list[int]]] | None = None  # (step, members, parts) last drawn
+        self._last: tuple[list[int], list[list[int]]] | None = None  # (members, parts) of the step last drawn
         self._old_split: tuple[int, list[int], tuple[int, ...]] | None = None  # (step, members, lost) to draw
         self._reserved: list[int] | None = None  # a replacement's part of the step it joined in
 
@@ -90,8 +90,7 @@ class ElasticSampler:
         if change.lost:
             old = list(self.members)
             if first == drawn_last:  # this rank drew the step that is redone: its lost parts go back
-                step, members, parts = self._last
-                self._give_back(members, parts, change.lost)
+                self._give_back(*self._last, change.lost)
             else:  # a survivor a step behind: it draws that step with the old split
                 self._old_split = (first, old, tuple(change.lost))
         self.members = list(change.members)
@@ -139,7 +138,7 @@ class ElasticSampler:
                 return
             whole = self._take(sum(sizes))
             parts = _split(whole, len(members))
-            self._last = (self._drawn, list(members), parts)
+            self._last = (list(members), parts)
             self._drawn += 1
             if lost:
                 self._give_back(members, parts, lost)

@@ -472,7 +472,7 @@ class _Heartbeat:
     def stale(self, rank: int) -> bool:
         """Whether watched ``rank``'s counter stood still for ``stale_after`` (as of the last look)."""
         with self._lock:
-            count, since = self._seen.get(rank, (-1, time.monotonic()))
+            since = self._seen.get(rank, (-1, time.monotonic()))[1]
         return time.monotonic() - since >= self.stale_after_s
 
     def _beat(self) -> None:
@@ -513,9 +513,6 @@ class _Heartbeat:
                     stood = max(stood, now - self._seen[r][1])
         if stale and self.on_stale is not None:
             self.on_stale(tuple(stale), stood)
-
-    def read(self, rank: int) -> int:
-        return self.store.add(self._key(rank), 0)
 
     def stop(self) -> None:
         self._stop.set()

@@ -87,9 +87,6 @@ class GlooSockets:
                   if before.get(fd) != name and not _talks_to(fd, store_at)}
         return group, cls(gained)
 
-    def __len__(self) -> int:
-        return len(self._sockets)
-
     def shut_down(self) -> None:
         """Shut down (not close: gloo still owns the descriptors and closes them when the group
         goes) each socket that is still the one gloo opened."""

@@ -613,7 +613,6 @@ class HierarchicalTransport(Transport):
     def scatter(self, call: Call, output: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
         self.flat.scatter(call, output, input, root)
 
-
     def interrupt(self, reason: str) -> None:
         super().interrupt(reason)
         for t in (self.intra, self.inter, self.flat):

@@ -27,7 +27,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -48,8 +48,6 @@ class _Slot:
     rank: int
     context: PContext | None = None
     started: int = 0
-    outcome: int | None = None  # the exit status of its last process, once it ended for good
-    ended_at: float = field(default=0.0)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -175,7 +173,6 @@ class Launcher:
         failure = next(iter(result.failures.values()), None) if result.is_failed() else None
         now = time.monotonic()
         if failure is None:
-            slot.outcome = 0
             self.succeeded_at = self.succeeded_at or now
             return
         status = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
@@ -185,7 +182,6 @@ class Launcher:
                          "(%d restarts left)", slot.rank, failure.pid, status, self.restarts_left)
             self._start(slot)
             return
-        slot.outcome = status
         self.last_failure = (now, status)
         why = "no restart left" if self.restarts_left == 0 else "no rank of the job runs"
         _log.warning("smddp launch: rank %d (pid %d) failed with status %d; not replaced (%s)", slot.rank,
