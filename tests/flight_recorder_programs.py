@@ -62,7 +62,13 @@ def drill(case: str, culprit: int, dump_dir: str, timeout_s: float = 3.0) -> dic
             os.kill(os.getpid(), signal.SIGSTOP)
         elif case == "die":
             os._exit(9)
-        report["dumped"] = _wait_for(mine, 4 * timeout_s + 10)
+        deadline = 4 * timeout_s + 10
+        report["dumped"] = _wait_for(mine, deadline)
+        # and stays until every rank that can has dumped: rank 0 hosts the store that a resumed
+        # rank's watcher hears the failure through (CI saw rank 0 gone before rank 1 looked)
+        alive = [r for r in range(dist.get_world_size()) if case != "die" or r != culprit]
+        for r in alive:
+            _wait_for(Path(dump_dir) / f"{PREFIX}{r}", deadline)
         if case == "die" and "mpi4py.MPI" in sys.modules:
             # MPI_Finalize would wait for the dead rank: worker.py leaves without it
             os.environ["TEST_SKIP_MPI_FINALIZE"] = "1"
