@@ -277,6 +277,8 @@ ENV_VARS: dict[str, tuple[tuple[str, str], ...]] = {
     "SMDDP_BROADCAST_BUFFERS": (("compile", "broadcast_buffers"),),
     "SMDDP_WRITE_BACK_GRADS": (("compile", "write_back_grads"),),
     "SMDDP_SHARD_OPTIMIZER_STATE": (("compile", "shard_optimizer_state"),),
+    # no knob: smddp_lite.launch marks the replacements it starts, for smddp_lite.init()
+    "SMDDP_REPLACEMENT": (),
 }
 
 # Variables that AWS's SMDDP reads and this library does not need. Scripts brought over from

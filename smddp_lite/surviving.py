@@ -47,9 +47,11 @@ from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from .backend.errors import CollectiveMismatchError, SMDDPError
 from .sampling import ElasticSampler
+from .surviving_ddp import DDPBuckets, refuse_wrappers_that_cannot_survive
 
 _log = logging.getLogger("smddp_lite")
 
@@ -127,8 +129,11 @@ class SurvivingSync:
                  on_change: Callable[[Change], None] | None = None,
                  stale_after: timedelta = timedelta(seconds=2), timeout: timedelta | None = None,
                  sampler: ElasticSampler | None = None) -> None:
+        refuse_wrappers_that_cannot_survive(model)
         params = model.parameters() if isinstance(model, torch.nn.Module) else model
         self.params = [p for p in params if p.requires_grad]
+        # sent to replacements with the parameters (BatchNorm's running statistics and the like)
+        self.buffers = list(model.buffers()) if isinstance(model, torch.nn.Module) else []
         if not self.params:
             raise ValueError("SurvivingSync found no parameter that requires grad in the model it was given")
         if min_world_size < 1:
@@ -152,7 +157,14 @@ class SurvivingSync:
         self._averages = [{dtype: torch.zeros(n + (dtype == self._carrier), dtype=dtype, device=device)
                            for dtype, n in by_dtype.items()} for _ in range(2)]
         self._control = None if self._carrier else torch.zeros(1, dtype=torch.float32, device=device)
-        store = None if dist.is_initialized() else _running_job_store()
+        self._flat_steps: set[int] = set()  # with DDP: the steps averaged flat (an admission's), of the last two
+        self._buckets: DDPBuckets | None = None
+        if isinstance(model, DistributedDataParallel):
+            self._buckets = DDPBuckets(model, tickets=lambda: self._heart.tickets)
+            model.register_forward_pre_hook(self._before_forward)
+        from .launch import standing_by
+
+        store = standing_by() if dist.is_initialized() else _running_job_store()
         if store is not None:
             self._join(store, timeout)
             return
@@ -189,10 +201,19 @@ class SurvivingSync:
 
     def __call__(self) -> None:
         """Average every parameter's gradient over the live ranks, in place in ``param.grad``."""
+        if self._buckets is not None and not self._buckets.flat:
+            self._settle_ddp_step()
+        else:
+            self._sync_flat()
+        if self._buckets is not None:
+            self._buckets.flat, self._buckets.step = False, self.step
+            self._flat_steps.intersection_update({self.step - 1, self.step - 2})
+
+    def _sync_flat(self) -> None:
         while True:
             try:
-                if self._tickets_seen > self._tickets_admitted:
-                    self._admit()
+                if self._tickets_seen > self._tickets_admitted and self._buckets is None:
+                    self._admit()  # (DDP's are admitted before the forward: _before_forward)
                 self._average(self.step)
             except CollectiveMismatchError:
                 raise  # every rank is alive and called something else: a bug to fix, not a loss
@@ -203,6 +224,36 @@ class SurvivingSync:
             self._unpack(self.step)
             self.step += 1
             return
+
+    def _settle_ddp_step(self) -> None:
+        """DDP's hooks averaged the buckets during backward; after a failed call, agree on who is
+        left and average the kept buckets again, or take a survivor's that is a step ahead."""
+        buckets = self._buckets
+        failure = buckets.finish()
+        if failure is None:
+            self._tickets_seen = max(self._tickets_seen, buckets.arrived(self.step))
+        while failure is not None:
+            if isinstance(failure, CollectiveMismatchError):
+                raise failure  # every rank is alive and called something else: a bug to fix, not a loss
+            try:
+                if self._recover(failure):
+                    return  # the average of this step came from a survivor a step ahead
+                self._tickets_seen = max(self._tickets_seen, buckets.reduce_again(self.step))
+                failure = None
+            except CollectiveMismatchError:
+                raise
+            except dist.DistError as again:  # another rank lost during the redo
+                failure = again
+        self.step += 1
+
+    def _before_forward(self, _module: torch.nn.Module, _inputs: object) -> None:
+        """With DDP, replacements are admitted before the forward of the step they train, since
+        its backward reduces the buckets. That step is averaged flat: a new DDP's first bucket
+        layout differs from the others', and every rank rebuilds its layout at the next forward."""
+        if self._tickets_seen > self._tickets_admitted:
+            self._admit()
+            self._buckets.flat = True
+            self._flat_steps.add(self.step)
 
     # one step -----------------------------------------------------------------------------------
     def _average(self, step: int) -> None:
@@ -227,6 +278,9 @@ class SurvivingSync:
         if self._control is not None:
             dist.all_reduce(self._control)
         self._tickets_seen = max(self._tickets_seen, int(control.item()))
+        if self._buckets is not None:  # rank 0's module buffers, which DDP would have broadcast
+            dist.all_reduce(self._buckets.fill_control(step))
+            self._buckets.arrived(step)
 
     def _unpack(self, step: int) -> None:
         averages = self._averages[step % 2]
@@ -264,8 +318,11 @@ class SurvivingSync:
         generation, members = store.get(key).decode().split(";")
         self.generation, self.members = int(generation), _parse(members)
         self._heart.watch(self.members)
-        self._rebuild(self.members, self.generation)
+        self._rebuild(self.members, self.generation, admitted=True)
         self._receive_state()
+        if self._buckets is not None:
+            self._buckets.flat, self._buckets.step = True, self.step
+            self._flat_steps.add(self.step)
         change = Change(self.generation, (), (self.first_rank,), self.members, dist.get_rank(),
                         dist.get_world_size(), self.step, time.monotonic() - started, self.step)
         _log.warning("smddp: joined as rank %d of %d at sync %d, %.2f s after starting", change.rank,
@@ -286,7 +343,7 @@ class SurvivingSync:
         self._tickets_admitted = self._tickets_seen
         self.members, self.generation = members, generation
         self._heart.watch(members)
-        self._rebuild(members, generation)
+        self._rebuild(members, generation, admitted=True)
         self._send_state()
         change = Change(generation, (), joined, members, dist.get_rank(), dist.get_world_size(), self.step,
                         time.monotonic() - started, self.step)
@@ -306,15 +363,15 @@ class SurvivingSync:
                   "sampler": self.sampler.state_dict() if self.sampler is not None else None}]
         dist.broadcast_object_list(state, src=0)
         with torch.no_grad():
-            for p in self.params:
-                dist.broadcast(p.data, src=0)
+            for t in self.params + self.buffers:
+                dist.broadcast(t.data, src=0)
 
     def _receive_state(self) -> None:
         state = [None]
         dist.broadcast_object_list(state, src=0)
         with torch.no_grad():
-            for p in self.params:
-                dist.broadcast(p.data, src=0)
+            for t in self.params + self.buffers:
+                dist.broadcast(t.data, src=0)
         self.step = state[0]["step"]
         self._tickets_admitted = self._tickets_seen = state[0]["tickets"]
         if self.optimizer is not None and state[0]["optimizer"] is not None:
@@ -350,7 +407,7 @@ class SurvivingSync:
             self.members, self.generation = members, generation
             self._heart.watch(members)
             try:
-                self._rebuild(members, generation)
+                self._rebuild(members, generation, admitted=False)
                 settled = self._settle_interrupted_step()
             except dist.DistError as again:  # another rank lost while the group was remade
                 failure = again
@@ -402,7 +459,7 @@ class SurvivingSync:
                 return decided
             time.sleep(0.05)
 
-    def _rebuild(self, members: tuple[int, ...], generation: int) -> None:
+    def _rebuild(self, members: tuple[int, ...], generation: int, admitted: bool) -> None:
         try:
             dist.destroy_process_group()
         except Exception as exc:  # the old group met a dead peer: what it could not close is gone with it
@@ -410,6 +467,8 @@ class SurvivingSync:
         store = dist.PrefixStore(f"{generation}/group/", self._base_store)
         dist.init_process_group(self._backend, store=store, rank=members.index(self.first_rank),
                                 world_size=len(members), timeout=timedelta(seconds=self._timeout))
+        if self._buckets is not None:
+            self._buckets.regrouped(admitted)
 
     def _settle_interrupted_step(self) -> bool:
         """Every survivor's step, gathered: those a step behind take the average a rank ahead
@@ -428,10 +487,14 @@ class SurvivingSync:
             raise RuntimeError(f"SurvivingSync: survivors are at syncs {steps}, more than one apart; "
                                "every rank must call sync() once per step")
         holder = steps.index(behind + 1)
-        for flat in self._averages[behind % 2].values():
-            dist.broadcast(flat, src=holder)
+        flat = self._buckets is None or behind in self._flat_steps
+        for average in (self._averages[behind % 2].values() if flat else self._buckets.averages(behind)):
+            dist.broadcast(average, src=holder)
         if self.step == behind:
-            self._unpack(behind)
+            if flat:
+                self._unpack(behind)
+            else:
+                self._tickets_seen = max(self._tickets_seen, self._buckets.unpack(behind))
             self.step += 1
             return True
         return False

@@ -34,8 +34,16 @@ def model() -> torch.nn.Module:
     return torch.nn.Linear(FEATURES, 1)
 
 
+def wrapped(net: torch.nn.Module, ddp: bool, bucket_view: bool = False) -> torch.nn.Module:
+    """The model as trained: with ``ddp``, a DistributedDataParallel with a bucket per parameter,
+    so that the hooks' order and a redo's must meet over several buckets."""
+    if not ddp:
+        return net
+    return torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1e-5, gradient_as_bucket_view=bucket_view)
+
+
 def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, min_world_size: int = 1,
-          replace: bool = False, step_s: float = 0.0) -> dict:
+          replace: bool = False, step_s: float = 0.0, ddp: bool = False, bucket_view: bool = False) -> dict:
     """Train ``steps`` steps; ``faults`` maps a rank (as a string) to (kind, step): "sigkill" (killed
     while it syncs), "exit" (os._exit before its sync), "sigstop" (stopped before its sync and
     killed at the end), "sigstop_resume" (stopped, and let go on once the others went on without
@@ -43,17 +51,18 @@ def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, mi
     change; or the error that ended this rank's training, where SurvivingSync raised one of its own.
     With ``replace``, the new rank 0 starts a replacement process after each loss (as a user's
     launcher would), which writes what ``replacement`` returns into ``marks``. ``step_s``: the
-    compute each step stands for (a sleep), so that a replacement has steps left to join."""
+    compute each step stands for (a sleep), so that a replacement has steps left to join. With
+    ``ddp`` the model is a DistributedDataParallel (``bucket_view``: gradient_as_bucket_view)."""
     smddp_lite.init(timeout=timedelta(seconds=group_timeout_s))
     rank = dist.get_rank()
-    net = model()
+    net = wrapped(model(), ddp, bucket_view)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     changes, replacements = [], []
 
     def changed(c) -> None:
         changes.append(_said(c))
         if replace and c.lost and c.rank == 0:
-            replacements.append(_start_replacement(steps, marks, len(replacements), step_s))
+            replacements.append(_start_replacement(steps, marks, len(replacements), step_s, ddp))
         stopped = Path(marks, "stopped")
         if c.rank == 0 and "sigstop_resume" in [k for k, _ in faults.values()] and stopped.exists():
             os.kill(int(stopped.read_text()), signal.SIGCONT)
@@ -89,17 +98,22 @@ def _said(c) -> dict:
             "rank": c.rank, "world_size": c.world_size, "step": c.step, "seconds": c.seconds, "at": time.time()}
 
 
-def _start_replacement(steps: int, marks: str, n: int, step_s: float) -> subprocess.Popen:
+def _start_replacement(steps: int, marks: str, n: int, step_s: float, ddp: bool) -> subprocess.Popen:
     Path(marks, f"replacement-{n}-started").write_text(repr(time.time()))
-    code = f"from tests.surviving_programs import replacement; replacement({steps}, {marks!r}, {n}, {step_s})"
+    code = (f"from tests.surviving_programs import replacement; "
+            f"replacement({steps}, {marks!r}, {n}, {step_s}, {ddp})")
+    # SMDDP_REPLACEMENT: as smddp_lite.launch marks the replacements it starts
     return subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
-                            env=dict(os.environ, TEST_RANK=f"replacement-{n}"))
+                            env=dict(os.environ, TEST_RANK=f"replacement-{n}", SMDDP_REPLACEMENT="1"))
 
 
-def replacement(steps: int, marks: str, n: int, step_s: float = 0.0) -> None:
+def replacement(steps: int, marks: str, n: int, step_s: float = 0.0, ddp: bool = False) -> None:
     """A replacement process: the same training, joining the running job; writes its checksums and
-    changes to ``marks``/replacement-``n``.json."""
-    net = model()
+    changes to ``marks``/replacement-``n``.json. Without DDP it makes no group before SurvivingSync
+    does; with DDP, ``smddp_lite.init()`` makes it a group of one to make DDP on."""
+    if ddp:
+        smddp_lite.init()
+    net = wrapped(model(), ddp)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     changes = []
     sync = SurvivingSync(net, optimizer, on_change=lambda c: changes.append(_said(c)))
@@ -119,18 +133,27 @@ def replacement(steps: int, marks: str, n: int, step_s: float = 0.0) -> None:
 
 
 def _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums, worlds, step_s) -> None:
+    # DDP averages during backward: its rank fails there, the others' with sync()
+    ddp = isinstance(net, torch.nn.parallel.DistributedDataParallel)
     for step in range(steps):
         x, y = batch(rank, step)
-        torch.nn.functional.mse_loss(net(x), y).backward()
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        if ddp and step == fault_step:
+            _fail(kind, rank, marks)
+        loss.backward()
         time.sleep(step_s)
-        if step == fault_step:
-            Path(marks, f"fault-{rank}").write_text(repr(time.time()))
-            if kind == "exit":
-                os._exit(3)
-            if kind in ("sigstop", "sigstop_resume"):
-                Path(marks, "stopped").write_text(str(os.getpid()))
-                os.kill(os.getpid(), signal.SIGSTOP)
-            if kind == "sigkill":
-                threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGKILL), daemon=True).start()
+        if not ddp and step == fault_step:
+            _fail(kind, rank, marks)
         sync()
         step_done(net, optimizer, sync, checksums, worlds)
+
+
+def _fail(kind: str, rank: int, marks: str) -> None:
+    Path(marks, f"fault-{rank}").write_text(repr(time.time()))
+    if kind == "exit":
+        os._exit(3)
+    if kind in ("sigstop", "sigstop_resume"):
+        Path(marks, "stopped").write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if kind == "sigkill":  # while it reduces: its backward (DDP's hooks) or its sync
+        threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGKILL), daemon=True).start()

@@ -74,10 +74,26 @@ def _run(transport: str, faults: dict, tmp_path: Path, steps: int = STEPS, **kwa
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("kind", ["sigkill", "exit", "sigstop"])
 def test_survivors_go_on_together_after_a_rank_is_lost(transport, kind, tmp_path):
+    _lose_a_rank_and_check(transport, kind, tmp_path)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("kind", ["sigkill", "exit", "sigstop"])
+def test_a_ddp_model_goes_on_after_a_rank_is_lost(transport, kind, tmp_path):
+    _lose_a_rank_and_check(transport, kind, tmp_path, ddp=True)
+
+
+@tiers.FULL_ONLY
+def test_a_ddp_model_with_gradients_as_bucket_views_goes_on(tmp_path):
+    # the gradients are DDP's bucket, which the average overwrites: the hook keeps a copy for a redo
+    _lose_a_rank_and_check("shm", "sigkill", tmp_path, ddp=True, bucket_view=True)
+
+
+def _lose_a_rank_and_check(transport: str, kind: str, tmp_path: Path, **kwargs) -> None:
     victim = VICTIM[transport]
     before = set(Path("/dev/shm").glob("smddp-*"))
     world = TRANSPORTS[transport][0]
-    results = _run(transport, {str(victim): [kind, FAULT_STEP]}, tmp_path)
+    results = _run(transport, {str(victim): [kind, FAULT_STEP]}, tmp_path, **kwargs)
     survivors = [r for r in results if r.rank != victim]
     for r in survivors:
         assert r.error is None and r.value is not None, (r.rank, r.error, r.output[-3000:])
@@ -138,12 +154,13 @@ REPLACE_STEPS, STEP_S = 60, 0.25
 
 
 @tiers.FULL_ONLY
+@pytest.mark.parametrize("ddp", [False, True], ids=["module", "ddp"])
 @pytest.mark.parametrize("transport", ["shm", "hierarchical"])
-def test_a_replacement_joins_and_the_group_grows_back(transport, tmp_path):
+def test_a_replacement_joins_and_the_group_grows_back(transport, ddp, tmp_path):
     before = set(Path("/dev/shm").glob("smddp-*"))
     world = TRANSPORTS[transport][0]
     results = _run(transport, {"1": ["sigkill", FAULT_STEP]}, tmp_path, steps=REPLACE_STEPS, replace=True,
-                   step_s=STEP_S)
+                   step_s=STEP_S, ddp=ddp)
     survivors = [r for r in results if r.rank != 1]
     for r in survivors:
         assert r.error is None and r.value is not None, (r.rank, r.error, r.output[-3000:])

@@ -31,6 +31,9 @@ def init(backend: str = BACKEND_NAME, init_method: str | None = None, rank: int 
       ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
       ``MASTER_PORT`` are then set for the rest of the script.
     * none of these: a group of one process.
+    * a replacement that ``python -m smddp_lite.launch`` started into a job training with
+      ``SurvivingSync``: a group of one process, to make the model on; ``SurvivingSync`` then
+      joins the running job.
 
     Args:
         backend: torch.distributed backend name; "smddp" unless comparing against another.
@@ -49,6 +52,9 @@ def init(backend: str = BACKEND_NAME, init_method: str | None = None, rank: int 
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if init_method is not None or rank is not None or world_size is not None:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs)
+    elif _replacing_a_rank_of_a_running_job():
+        # a group of one to make the model (and a DDP of it) on: SurvivingSync then joins the job
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ and not _set_by_mpi_rendezvous():
         dist.init_process_group(backend, init_method="env://", **kwargs)
     elif _launched_by_mpi():
@@ -57,6 +63,31 @@ def init(backend: str = BACKEND_NAME, init_method: str | None = None, rank: int 
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     return dist.group.WORLD
+
+
+_STANDBY: list[dist.Store] = []
+"""The running job's store, where init() made this replacement a group of one to wait in."""
+
+
+def _replacing_a_rank_of_a_running_job() -> bool:
+    """Asked only where the launcher says this process replaces a rank (``SMDDP_REPLACEMENT``): a
+    job's first ranks must not dial a store to look for a job, since under launchers of others
+    nothing may be listening yet."""
+    if os.environ.get("SMDDP_REPLACEMENT") != "1":
+        return False
+    from ..surviving import _running_job_store
+
+    store = _running_job_store()
+    if store is None:
+        return False
+    _STANDBY.append(store)
+    return True
+
+
+def standing_by() -> dist.Store | None:
+    """The store of the job this process replaces a rank of, where ``init()`` made it a group of
+    one (once: SurvivingSync takes it); None otherwise."""
+    return _STANDBY.pop() if _STANDBY else None
 
 
 def _mpi_rendezvous(timeout: timedelta | None):

@@ -122,6 +122,8 @@ class Launcher:
             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
             "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts), "TORCHELASTIC_RUN_ID": self.run_id,
         }
+        if slot.started:  # smddp_lite.init() then waits in a group of one for SurvivingSync to join the job
+            env["SMDDP_REPLACEMENT"] = "1"
         if a.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks sharing a host do not oversubscribe it
         return env

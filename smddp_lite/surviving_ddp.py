@@ -1,0 +1,218 @@
+"""DistributedDataParallel under ``SurvivingSync``: DDP keeps its buckets and their overlap with
+backward, through a comm hook that never raises and keeps what a redo needs.
+
+The hook averages each bucket into a buffer of its own (``torch.div`` by the world size, then an
+asynchronous all_reduce), two sets of buffers by step parity, because a survivor one step ahead
+must still hold the average that the others missed. A failed call is recorded, never raised:
+its future completes with the bucket's own gradients, so backward ends and ``sync()`` can settle
+the step. The bucket's gradients before the average stay where the redo finds them: in DDP's
+bucket, which it copies into ``param.grad`` from our buffer and does not overwrite, or, with
+``gradient_as_bucket_view`` (where ``param.grad`` is the bucket), in a copy the hook keeps.
+
+Bucket 0's hook also launches one small float64 call: rank 0's count of waiting replacements
+and rank 0's module buffers (the others send zeros), which replaces DDP's broadcast of buffers
+at the next forward (a broadcast there would raise from forward on a loss). Redone after a loss,
+the buckets go in bucket order with that call after bucket 0, as the hooks launch them, so that
+a survivor one step behind (whose hooks run the next backward) meets the redo call for call.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+class DDPBuckets:
+    """The comm hook SurvivingSync registers on a DDP model, and what it kept of each step."""
+
+    def __init__(self, ddp: DistributedDataParallel, tickets: Callable[[], int]) -> None:
+        refuse_ddp_settings(ddp)
+        self.ddp, self.tickets = ddp, tickets
+        self.view = bool(ddp.gradient_as_bucket_view)
+        self.step = 0  # the step the hooks reduce (its parity picks the buffers)
+        self.flat = False  # this step's buckets are not reduced: SurvivingSync averages it flat
+        self.failure: BaseException | None = None  # the first failed call of this step
+        self._params: dict[int, list[torch.Tensor]] = {}  # bucket index -> its parameters, in bucket order
+        self._grads: dict[int, torch.Tensor] = {}  # bucket index -> its gradients before the average
+        self._kept: dict[int, torch.Tensor] = {}  # with bucket views: the copy of them the hook keeps
+        self._averages: list[dict[int, torch.Tensor]] = [{}, {}]  # by step parity, then bucket index
+        # rank 0's buffers ride in the control call: DDP's own broadcast of them is turned off
+        self.buffers = [b for b in ddp.module.buffers()] if ddp.forward_sync_buffers else []
+        ddp.forward_sync_buffers = False
+        size = 1 + sum(b.numel() for b in self.buffers)
+        device = next(ddp.module.parameters()).device
+        self._controls = [torch.zeros(size, dtype=torch.float64, device=device) for _ in range(2)]
+        self._control_work: dist.Work | None = None
+        ddp.register_comm_hook(None, self._hook)
+
+    # during backward ------------------------------------------------------------------------------
+    # unannotated: DDP checks a hook's annotations as objects, which this module's are not (strings)
+    def _hook(self, _state, bucket):
+        i, grads = bucket.index(), bucket.buffer()
+        known = self._grads.get(i)
+        # a new layout (DDP rebuilt its buckets): the old buckets are held here, so new ones lie elsewhere
+        if known is None or known.data_ptr() != grads.data_ptr() or known.numel() != grads.numel():
+            self._params[i], self._grads[i] = list(bucket.parameters()), grads
+            for averages in self._averages:
+                averages.pop(i, None)
+            self._kept.pop(i, None)
+        if self.view:
+            kept = self._kept.get(i)
+            if kept is None or kept.shape != grads.shape:
+                kept = self._kept[i] = torch.empty_like(grads)
+            kept.copy_(grads)
+        if self.flat or self.failure is not None:
+            return _completed(grads)  # DDP leaves the gradients as they are; sync() settles the step
+        average = self._average_buffer(self.step, i, grads)
+        try:
+            torch.div(grads, dist.get_world_size(), out=average)
+            future = dist.all_reduce(average, async_op=True).get_future()
+            if i == 0:
+                self._control_work = dist.all_reduce(self.fill_control(self.step), async_op=True)
+        except dist.DistError as failure:  # the group already failed on this rank
+            self.failure = self.failure or failure
+            return _completed(grads)
+
+        def arrived(done: torch.futures.Future) -> torch.Tensor:
+            try:
+                done.value()
+            except Exception as failure:  # a lost rank: recorded, settled by sync()
+                self.failure = self.failure or failure
+                return grads
+            return average
+
+        return future.then(arrived)
+
+    def _average_buffer(self, step: int, i: int, grads: torch.Tensor) -> torch.Tensor:
+        averages = self._averages[step % 2]
+        average = averages.get(i)
+        if average is None or average.shape != grads.shape:
+            average = averages[i] = torch.empty_like(grads)
+        return average
+
+    def fill_control(self, step: int) -> torch.Tensor:
+        control = self._controls[step % 2]
+        if dist.get_rank() == 0:
+            control[0] = self.tickets()
+            at = 1
+            for b in self.buffers:
+                control[at:at + b.numel()].copy_(b.detach().reshape(-1))
+                at += b.numel()
+        else:
+            control.zero_()
+        return control
+
+    # in sync() ------------------------------------------------------------------------------------
+    def finish(self) -> BaseException | None:
+        """After backward: wait for the control call; the step's first failure, or None when every
+        bucket's average arrived (DDP then wrote them into ``param.grad``)."""
+        work, self._control_work = self._control_work, None
+        if work is not None:  # waited for even after a failure: nothing of the step stays in flight
+            try:
+                work.wait()
+            except dist.DistError as failure:
+                self.failure = self.failure or failure
+        return self.failure
+
+    def arrived(self, step: int) -> int:
+        """Apply rank 0's buffers from ``step``'s control call; returns its ticket count."""
+        control = self._controls[step % 2]
+        at = 1
+        with torch.no_grad():
+            for b in self.buffers:
+                b.copy_(control[at:at + b.numel()].view_as(b))
+                at += b.numel()
+        return int(control[0].item())
+
+    def reduce_again(self, step: int) -> int:
+        """Average this step's buckets in the current group from the gradients kept, in the order
+        the hooks launch them, into ``param.grad``; returns the control call's ticket count."""
+        self.failure = None
+        for i in sorted(self._params):
+            grads = self._kept[i] if self.view else self._grads[i]
+            average = self._average_buffer(step, i, grads)
+            torch.div(grads, dist.get_world_size(), out=average)
+            dist.all_reduce(average)
+            if i == 0:
+                dist.all_reduce(self.fill_control(step))
+            self._write(i, average)
+        return self.arrived(step)
+
+    def averages(self, step: int) -> list[torch.Tensor]:
+        """What a survivor ahead sends the ones behind: ``step``'s averages and its control call."""
+        buckets = sorted(self._params)
+        return [self._average_buffer(step, i, self._grads[i]) for i in buckets] + [self._controls[step % 2]]
+
+    def unpack(self, step: int) -> int:
+        """Write ``step``'s averages (received from a survivor ahead) into ``param.grad``."""
+        self.failure = None
+        for i in sorted(self._params):
+            self._write(i, self._averages[step % 2][i])
+        return self.arrived(step)
+
+    def _write(self, i: int, average: torch.Tensor) -> None:
+        at = 0
+        with torch.no_grad():
+            for p in self._params[i]:
+                p.grad.copy_(average[at:at + p.numel()].view_as(p.grad))
+                at += p.numel()
+
+    def regrouped(self, admitted: bool) -> None:
+        """Point DDP at the new default group. After an admission every rank also rebuilds its
+        buckets at the next forward, as DDP's own ``_update_process_group`` arranges, so that the
+        replacement's first layout meets the others'; after a loss the layout stays, which a
+        survivor's redo must meet."""
+        group = dist.group.WORLD
+        if admitted:
+            self.ddp._update_process_group(group)
+        else:
+            self.ddp.process_group = group
+            self.ddp.reducer._update_process_group(group)
+
+
+def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def refuse_wrappers_that_cannot_survive(model: object) -> None:
+    """SurvivingSync takes a plain module or a DDP model: what holds state it cannot settle after a
+    loss is refused with the reason, never trained into a wrong answer."""
+    name = type(model).__name__
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(model, (FSDPModule, FullyShardedDataParallel)):
+        raise TypeError(
+            f"SurvivingSync cannot keep an FSDP model ({name}) going after a loss: each rank holds a shard of "
+            "the parameters that no survivor has. Use DistributedDataParallel, or a plain module with "
+            "SurvivingSync, or train FSDP with checkpoints and restarts.")
+    from .compiler.model import CompiledModel
+
+    if isinstance(model, CompiledModel):
+        raise TypeError(
+            "SurvivingSync does not take a smddp_lite.compile model yet: its fused step reduces the gradients "
+            "itself. Give SurvivingSync the plain module (or a DistributedDataParallel of it) instead.")
+
+
+def refuse_ddp_settings(ddp: DistributedDataParallel) -> None:
+    """The DDP settings whose state a redo could not rebuild, each refused with the way out."""
+    said = "SurvivingSync cannot keep this DistributedDataParallel going after a loss:"
+    if ddp.process_group is not dist.group.WORLD:
+        raise ValueError(f"{said} it runs on a subgroup, which a loss does not remake. Make DDP on the "
+                         "default group (no process_group argument).")
+    if ddp.find_unused_parameters:
+        raise ValueError(f"{said} find_unused_parameters=True reduces a map of used parameters that a redo cannot "
+                         "rebuild. Make DDP without it; parameters without a gradient then average zeros.")
+    if ddp._comm_hooks:
+        raise ValueError(f"{said} it already has a comm hook ({ddp._comm_hooks[0][0].__qualname__}); SurvivingSync "
+                         "reduces the buckets through a hook of its own. Drop the other hook.")
+    if ddp.mixed_precision is not None:
+        raise ValueError(f"{said} mixed_precision reduces a copy of the parameters in low precision that a redo "
+                         "cannot reach. Use torch.autocast for the forward instead.")
+    if ddp._delay_all_reduce_all_params:
+        raise ValueError(f"{said} delay_all_reduce_named_params reduces every parameter outside the buckets. "
+                         "Make DDP without it.")
