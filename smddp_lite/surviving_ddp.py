@@ -18,6 +18,7 @@ a survivor one step behind (whose hooks run the next backward) meets the redo ca
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -183,16 +184,16 @@ def refuse_wrappers_that_cannot_survive(model: object) -> None:
     """SurvivingSync takes a plain module or a DDP model: what holds state it cannot settle after a
     loss is refused with the reason, never trained into a wrong answer."""
     name = type(model).__name__
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    if isinstance(model, (FSDPModule, FullyShardedDataParallel)):
+    # looked up, not imported: a model of a module not imported yet cannot be given, and a
+    # replacement's import time counts (FSDP's is about a second)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and isinstance(model, (fsdp.FSDPModule, fsdp.FullyShardedDataParallel)):
         raise TypeError(
             f"SurvivingSync cannot keep an FSDP model ({name}) going after a loss: each rank holds a shard of "
             "the parameters that no survivor has. Use DistributedDataParallel, or a plain module with "
             "SurvivingSync, or train FSDP with checkpoints and restarts.")
-    from .compiler.model import CompiledModel
-
-    if isinstance(model, CompiledModel):
+    compiled = sys.modules.get("smddp_lite.compiler.model")
+    if compiled is not None and isinstance(model, compiled.CompiledModel):
         raise TypeError(
             "SurvivingSync does not take a smddp_lite.compile model yet: its fused step reduces the gradients "
             "itself. Give SurvivingSync the plain module (or a DistributedDataParallel of it) instead.")

@@ -3,7 +3,8 @@ of a small model trained with SurvivingSync and an ElasticSampler, one rank of w
 once at a chosen step.
 
 Run as ``python -m tests.launcher_programs MARKS STEPS [FAULT]``: the epoch has STEPS steps at
-the first world size; FAULT is ``rank:step:kind`` (kind: sigkill, exit), or ``all:start:exit``
+the first world size; FAULT is ``rank:step:kind[:ddp]`` (kind: sigkill, exit; ``ddp``: the model
+is a DistributedDataParallel, made after ``smddp_lite.init()``), or ``all:start:exit``
 (every process fails at once). Each process writes MARKS/<pid>.json at its end: its id, first
 step, checksums, world sizes, when it started and when its first sync ended; and appends the
 sample indices of every step it trained (its sync done) to MARKS/<pid>.samples."""
@@ -37,10 +38,13 @@ def dataset(size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main(marks: str, steps: int, fault: str = "") -> None:
-    who, at, kind = (fault.split(":") + ["", "", ""])[:3] if fault else ("", "", "")
+    who, at, kind, wrap = (fault.split(":") + ["", "", "", ""])[:4]
     if who == "all":
         sys.exit(3)
     net = model()
+    if wrap == "ddp":  # a replacement's init() makes a group of one to make DDP on
+        smddp_lite.init()
+        net = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1e-5)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     xs, ys = dataset(steps * PER_RANK * int(os.environ["WORLD_SIZE"]))
     sampler = smddp_lite.ElasticSampler(len(xs), PER_RANK, seed=3)
@@ -50,13 +54,14 @@ def main(marks: str, steps: int, fault: str = "") -> None:
     faulting = who == os.environ["RANK"] and first_step == 0
     trained = Path(marks, f"{os.getpid()}.samples").open("a")
     for indices in sampler:  # one epoch
+        # DDP averages during backward: its rank fails before it, the others' before their sync
+        if faulting and sync.step == int(at) and wrap == "ddp":
+            _fail(kind)
         if indices:  # the epoch's last step may leave a rank no sample: it adds a zero gradient
             torch.nn.functional.mse_loss(net(xs[indices]), ys[indices]).backward()
         time.sleep(STEP_S)
         if faulting and sync.step == int(at):
-            if kind == "exit":
-                os._exit(5)
-            os.kill(os.getpid(), signal.SIGKILL)
+            _fail(kind)
         sync()
         trained.write(json.dumps(indices) + "\n")
         trained.flush()
@@ -67,6 +72,12 @@ def main(marks: str, steps: int, fault: str = "") -> None:
     Path(marks, f"{os.getpid()}.json").write_text(json.dumps(
         {"id": sync.first_rank, "first_step": first_step, "checksums": checksums, "worlds": worlds,
          "started_at": STARTED_AT, "first_sync_at": first_sync_at}))
+
+
+def _fail(kind: str) -> None:
+    if kind == "exit":
+        os._exit(5)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

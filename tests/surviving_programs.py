@@ -157,3 +157,77 @@ def _fail(kind: str, rank: int, marks: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "sigkill":  # while it reduces: its backward (DDP's hooks) or its sync
         threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGKILL), daemon=True).start()
+
+
+def ddp_beside_ddp(steps: int) -> dict:
+    """A model with BatchNorm trained by DDP alone and by DDP with SurvivingSync, side by side on
+    the same batches, nothing failing: the largest difference in parameters and in buffers."""
+    smddp_lite.init()
+    rank = dist.get_rank()
+
+    def made() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                   torch.nn.Linear(16, 1))
+
+    alone = torch.nn.parallel.DistributedDataParallel(made(), bucket_cap_mb=1e-4)
+    kept = torch.nn.parallel.DistributedDataParallel(made(), bucket_cap_mb=1e-4)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (alone, kept)]
+    sync = SurvivingSync(kept, optimizers[1])
+    for step in range(steps):
+        x, y = batch(rank, step)
+        for m, optimizer in zip((alone, kept), optimizers):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            if m is kept:
+                sync()
+            optimizer.step()
+            optimizer.zero_grad()
+    sync.close()
+    alone.eval()  # DDP alone sends rank 0's buffers at the next forward; SurvivingSync sent them in the sync
+    with torch.no_grad():
+        alone(batch(rank, steps)[0])
+
+    def apart(tensors: str) -> float:
+        pairs = zip(getattr(alone.module, tensors)(), getattr(kept.module, tensors)())
+        return max(float((a.double() - b.double()).abs().max()) for a, b in pairs)
+
+    return {"params": apart("parameters"), "buffers": apart("buffers")}
+
+
+def refusals() -> dict:
+    """What SurvivingSync says of the DDP settings and wrappers it cannot keep going."""
+    smddp_lite.init()
+    DDP = torch.nn.parallel.DistributedDataParallel
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    hooked = DDP(model())
+    hooked.register_comm_hook(None, allreduce_hook)
+    cases = {
+        "unused": lambda: DDP(model(), find_unused_parameters=True),
+        "subgroup": lambda: DDP(model(), process_group=dist.new_group(list(range(dist.get_world_size())))),
+        "hook": lambda: hooked,
+        "compiled": lambda: _compiled(),
+        "fsdp": lambda: _fully_sharded(),
+    }
+    said = {}
+    for name, made in cases.items():
+        try:
+            SurvivingSync(made())
+        except (TypeError, ValueError) as exc:
+            said[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            said[name] = "accepted"
+    return said
+
+
+def _compiled() -> torch.nn.Module:
+    net = model()
+    return smddp_lite.compile(net, torch.optim.SGD(net.parameters(), lr=LR))[0]
+
+
+def _fully_sharded() -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    net = model()
+    fully_shard(net)
+    return net

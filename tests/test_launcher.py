@@ -16,7 +16,10 @@ import pytest
 
 from . import harness, tiers
 
-REPLACEMENT_TRAINS_WITHIN_S = 5.0  # from the replacement's start to its first sync done
+# from the replacement's start to its first sync done: a bound that catches a wait for a timeout.
+# Here torch's import alone takes 3-5 s (two cores, three ranks training); the 5 s goal is
+# measured by the lab drill (benchmarks/survival_drill.py), one rank per core
+REPLACEMENT_TRAINS_WITHIN_S = 10.0
 
 
 def _launch(tmp_path: Path, *args: str, steps: int = 40, fault: str = "", timeout: float = 120,
@@ -40,7 +43,8 @@ def _no_rank_left(tmp_path: Path) -> None:
     assert _ranks_of(tmp_path) == [], "ranks outlived their launcher"
 
 
-@pytest.mark.parametrize("kind", ["sigkill", pytest.param("exit", marks=tiers.FULL_ONLY)])
+@pytest.mark.parametrize("kind", ["sigkill", pytest.param("exit", marks=tiers.FULL_ONLY),
+                                  pytest.param("sigkill:ddp", marks=tiers.FULL_ONLY)])
 def test_a_failed_rank_is_replaced_and_the_job_ends_well(kind, tmp_path):
     before = set(Path("/dev/shm").glob("smddp-*"))
     done = _launch(tmp_path, fault=f"1:5:{kind}")

@@ -182,3 +182,23 @@ def test_a_replacement_joins_and_the_group_grows_back(transport, ddp, tmp_path):
     started = float((tmp_path / "replacement-0-started").read_text())
     assert joiner["first_sync_at"] - started < REPLACEMENT_BOUND_S, joiner["first_sync_at"] - started
     assert set(Path("/dev/shm").glob("smddp-*")) <= before, "a segment was left in /dev/shm"
+
+
+@tiers.FULL_ONLY
+def test_ddp_with_it_trains_as_ddp_alone_buffers_included():
+    # rank 0's BatchNorm statistics reach the others in the hooks' control call, not DDP's broadcast
+    for r in harness.launch("tests.surviving_programs:ddp_beside_ddp", 3, env={"SMDDP_TRANSPORT": "shm"},
+                            timeout=120, steps=8):
+        assert r.value is not None, (r.rank, r.error, r.output[-3000:])
+        assert r.value["params"] < 1e-5 and r.value["buffers"] < 1e-5, r.value
+
+
+def test_what_cannot_survive_is_refused_with_the_reason():
+    (said,) = {json.dumps(r.value, sort_keys=True) if r.value else r.error
+               for r in harness.launch("tests.surviving_programs:refusals", 2, timeout=120)}
+    said = json.loads(said)
+    assert "find_unused_parameters=True" in said["unused"] and said["unused"].startswith("ValueError"), said
+    assert "subgroup" in said["subgroup"], said
+    assert "already has a comm hook (allreduce_hook)" in said["hook"], said
+    assert "smddp_lite.compile model" in said["compiled"] and said["compiled"].startswith("TypeError"), said
+    assert "FSDP model" in said["fsdp"], said
