@@ -75,6 +75,10 @@ def worker(args) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
                                 torch.nn.ReLU(), torch.nn.Linear(256, 10))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    trained = model
+    if args.ddp:  # a replacement's init() makes a group of one to make DDP on
+        smddp_lite.init(timeout=timedelta(seconds=args.group_timeout))
+        trained = torch.nn.parallel.DistributedDataParallel(model)
     log = None
 
     def write(record: dict) -> None:
@@ -82,7 +86,7 @@ def worker(args) -> None:
         log.flush()
 
     pending = []
-    sync = smddp_lite.SurvivingSync(model, optimizer, timeout=timedelta(seconds=args.group_timeout),
+    sync = smddp_lite.SurvivingSync(trained, optimizer, timeout=timedelta(seconds=args.group_timeout),
                                     on_change=lambda c: pending.append(c))
     me = sync.first_rank
     log = open(logs / f"rank-{me}.jsonl", "a")
@@ -102,7 +106,7 @@ def worker(args) -> None:
         x = torch.randn(64, 64, generator=data)
         with torch.no_grad():
             y = teacher(x).argmax(1)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        torch.nn.functional.cross_entropy(trained(x), y).backward()
         time.sleep(args.step_s)
         try:
             sync()
@@ -133,6 +137,7 @@ def agent(args) -> None:
     def start(rank_env: dict) -> None:
         argv = [sys.executable, "-m", "benchmarks.survival_drill", "worker", "--dir", args.dir, "--seed",
                 str(args.seed), "--step-s", str(args.step_s), "--group-timeout", str(args.group_timeout)]
+        argv += ["--ddp"] if args.ddp else []
         out = open(logs / f"out-host{host}-{len(children)}.txt", "w")
         children.append(subprocess.Popen(argv, env={**env, **rank_env}, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
 
@@ -147,7 +152,7 @@ def agent(args) -> None:
         for request in sorted(logs.glob(f"spawn-host{host}-*")):
             if request.name not in served:
                 served.add(request.name)
-                start({"RANK": "-1", "LOCAL_RANK": "0"})
+                start({"RANK": "-1", "LOCAL_RANK": "0", "SMDDP_REPLACEMENT": "1"})
         time.sleep(0.05)
     for child in children:
         try:
@@ -280,14 +285,24 @@ class Drill:
         self.read()
         by_step: dict[int, set] = {}
         world_at: dict[int, int] = {}
+        last_of_lost = []  # (step, checksum) of each lost rank's last step
         for rid in self.records:
-            for s in self.steps_of(rid):
+            steps = self.steps_of(rid)
+            if rid in self.victims and steps:
+                # its average may have arrived while the survivors' failed: they redid the step
+                # without it, so this step is compared apart (below)
+                last_of_lost.append((steps[-1]["step"], steps[-1]["checksum"]))
+                steps = steps[:-1]
+            for s in steps:
                 by_step.setdefault(s["step"], set()).add(s["checksum"])
                 world_at[s["step"]] = s["world"]
         differing = sorted(step for step, sums in by_step.items() if len(sums) > 1)
+        # a lost rank's last step that the survivors redid without it (theirs differs)
+        redone_without = sum(1 for step, checksum in last_of_lost if checksum not in by_step.get(step, {checksum}))
         done = [r for rid in self.records for r in self.records[rid] if r.get("event") == "done"]
         lost = {r for rid in self.records for c in self.records[rid] if c.get("event") == "change" for r in c["lost"]}
         return {"steps": len(by_step), "steps_with_differing_parameters": differing[:20],
+                "lost_ranks_last_step_redone_without_them": redone_without,
                 "unplanned_losses": sorted(lost - self.victims),
                 # the batches the steps averaged, against a run that never shrank
                 "rank_steps": sum(world_at.values()), "rank_steps_whole": self.world * len(world_at),
@@ -315,6 +330,7 @@ def drive(args) -> dict:
         by_launcher = args.launcher == "smddp" and len(set(layout)) == 1  # the launcher's ranks: as many per host
         worker_args = ["-m", "benchmarks.survival_drill", "worker", "--dir", str(logs), "--seed", str(args.seed),
                        "--step-s", str(args.step_s), "--group-timeout", str(args.group_timeout)]
+        worker_args += ["--ddp"] if args.ddp else []
         if by_launcher:
             agents = [cluster.spawn(h, [sys.executable, "-m", "smddp_lite.launch", "--nnodes", str(len(layout)),
                                         "--node-rank", str(h), "--nproc-per-node", str(layout[h]), "--master-addr",
@@ -325,7 +341,8 @@ def drive(args) -> dict:
             agents = [cluster.spawn(h, [sys.executable, "-m", "benchmarks.survival_drill", "agent", "--dir",
                                         str(logs), "--host", str(h), "--layout", ",".join(map(str, layout)), "--seed",
                                         str(args.seed), "--step-s", str(args.step_s), "--group-timeout",
-                                        str(args.group_timeout)], env=env) for h in range(len(layout))]
+                                        str(args.group_timeout)] + (["--ddp"] if args.ddp else []), env=env)
+                      for h in range(len(layout))]
         drill = Drill(cluster, logs, layout, rng, replace=not args.no_replace, by_launcher=by_launcher)
         started = time.time()
         drill.wait_for(lambda: all(drill.steps_of(r) for r in range(world)), 120, "the job to start")
@@ -439,6 +456,7 @@ def main() -> None:
     parser.add_argument("--no-replace", action="store_true", help="no replacements: the group only shrinks")
     parser.add_argument("--window", help="FROM,TO: report the steps per second between these steps")
     parser.add_argument("--out", help="write OUT.json")
+    parser.add_argument("--ddp", action="store_true", help="train a DistributedDataParallel of the model")
     parser.add_argument("--launcher", choices=("smddp", "agent"), default="smddp",
                         help="who starts the ranks and their replacements: python -m smddp_lite.launch on each "
                              "host (the store apart, on host 0), or the drill's own agent (any --layout)")

@@ -232,15 +232,18 @@ class SurvivingSync:
         failure = buckets.finish()
         if failure is None:
             self._tickets_seen = max(self._tickets_seen, buckets.arrived(self.step))
+        # not losses: every rank alive and calling something else (a bug to fix), or the end of
+        # this rank's part in the job
+        final = (CollectiveMismatchError, RankDeclaredLostError, TooFewRanksError)
         while failure is not None:
-            if isinstance(failure, CollectiveMismatchError):
-                raise failure  # every rank is alive and called something else: a bug to fix, not a loss
+            if isinstance(failure, final):
+                raise failure
             try:
                 if self._recover(failure):
                     return  # the average of this step came from a survivor a step ahead
                 self._tickets_seen = max(self._tickets_seen, buckets.reduce_again(self.step))
                 failure = None
-            except CollectiveMismatchError:
+            except final:
                 raise
             except dist.DistError as again:  # another rank lost during the redo
                 failure = again

@@ -2,7 +2,8 @@
 1 Gbit/s, one failure of each kind (a rank SIGKILLed, stopped, exiting; the second host's link
 down; two ranks killed at once; a stopped rank let go on, which must be refused), each followed
 by the replacements that each host's ``python -m smddp_lite.launch`` starts
-(benchmarks/survival_drill.py, whose full run makes 60)."""
+(benchmarks/survival_drill.py, whose full run makes 200); for a plain module and for a
+DistributedDataParallel model."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from . import harness, tiers
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
-def test_the_lab_drill_trains_through_each_kind_of_failure(tmp_path):
+@pytest.mark.parametrize("model", ["module", "ddp"])
+def test_the_lab_drill_trains_through_each_kind_of_failure(model, tmp_path):
     out = tmp_path / "drill"
     kinds = KINDS[:tiers.size(1, len(KINDS))]  # the quick tier: one rank SIGKILLed
     run = subprocess.run([sys.executable, "-m", "benchmarks.survival_drill", "--failures", str(len(kinds)), "--cycle",
-                          "--gap", "5", "--out", str(out)], cwd=harness.ROOT, capture_output=True, text=True,
-                         timeout=400)
+                          "--gap", "5", "--out", str(out)] + (["--ddp"] if model == "ddp" else []), cwd=harness.ROOT,
+                         capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads((tmp_path / "drill.json").read_text())
     summary = results["summary"]

@@ -116,8 +116,9 @@ def _lose_a_rank_and_check(transport: str, kind: str, tmp_path: Path, **kwargs) 
 
 
 @tiers.FULL_ONLY
-def test_a_rank_that_comes_back_after_being_declared_lost_is_refused(tmp_path):
-    results = _run("shm", {"1": ["sigstop_resume", FAULT_STEP]}, tmp_path)
+@pytest.mark.parametrize("ddp", [False, True], ids=["module", "ddp"])
+def test_a_rank_that_comes_back_after_being_declared_lost_is_refused(ddp, tmp_path):
+    results = _run("shm", {"1": ["sigstop_resume", FAULT_STEP]}, tmp_path, ddp=ddp)
     back = results[1]
     assert back.value is not None, (back.error, back.output[-3000:])
     assert back.value["error"] == "RankDeclaredLostError", back.value
@@ -128,8 +129,9 @@ def test_a_rank_that_comes_back_after_being_declared_lost_is_refused(tmp_path):
 
 
 @tiers.FULL_ONLY
-def test_too_few_ranks_left_stops_every_survivor_with_a_clear_error(tmp_path):
-    results = _run("shm", {"1": ["exit", FAULT_STEP]}, tmp_path, min_world_size=3)
+@pytest.mark.parametrize("ddp", [False, True], ids=["module", "ddp"])
+def test_too_few_ranks_left_stops_every_survivor_with_a_clear_error(ddp, tmp_path):
+    results = _run("shm", {"1": ["exit", FAULT_STEP]}, tmp_path, min_world_size=3, ddp=ddp)
     for r in (results[0], results[2]):
         assert r.value is not None, (r.rank, r.error, r.output[-3000:])
         assert r.value["error"] == "TooFewRanksError", r.value
