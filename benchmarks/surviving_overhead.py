@@ -9,6 +9,11 @@ It prints each round's steps per second (the median over ranks), and the ratio o
 medians::
 
     python -m benchmarks.surviving_overhead --baseline /tmp/base --rounds 8
+
+With ``--ddp`` the rounds compare, in this tree, a DistributedDataParallel of the same model
+with SurvivingSync against the same DDP alone (the option on against off)::
+
+    python -m benchmarks.surviving_overhead --ddp --rounds 8
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def rank(steps: int) -> float:
-    """One rank: steps per second of forward, backward, sync() and SGD."""
+def rank(steps: int, ddp: bool = False, surviving: bool = True) -> float:
+    """One rank: steps per second of forward, backward, sync() and SGD; with ``ddp`` the model is
+    a DistributedDataParallel, with SurvivingSync or (``surviving=False``) alone."""
     import torch
     import torch.distributed as dist
 
@@ -36,28 +42,32 @@ def rank(steps: int) -> float:
     smddp_lite.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    sync = SurvivingSync(model, optimizer)
+    sync = SurvivingSync(model, optimizer) if surviving else None
     x = torch.randn(32, 512)
     warm_up = 60
     for step in range(warm_up + steps):
         if step == warm_up:
             started = time.perf_counter()
         model(x).square().mean().backward()
-        sync()
+        if sync is not None:
+            sync()
         optimizer.step()
         optimizer.zero_grad()
     elapsed = time.perf_counter() - started
-    sync.close()
+    if sync is not None:
+        sync.close()
     dist.destroy_process_group()
     return steps / elapsed
 
 
-def _round(tree: str, steps: int) -> float:
+def _round(tree: str, steps: int, **kind) -> float:
     """A job of 3 ranks whose smddp_lite (and test harness) come from ``tree``."""
     code = ("import json, sys; from tests import harness; "
             f"results = harness.launch('surviving_overhead:rank', 3, env={{'SMDDP_TRANSPORT': 'shm'}}, "
-            f"pooled=False, timeout=600, steps={steps}); print(json.dumps([r.value for r in results]))")
+            f"pooled=False, timeout=600, steps={steps}, **{kind!r}); print(json.dumps([r.value for r in results]))")
     # this module by a top-level name, which neither tree's own packages shadow
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{os.path.join(ROOT, 'benchmarks')}")
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True, check=True)
@@ -66,14 +76,21 @@ def _round(tree: str, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", required=True, help="a checkout of the commit to compare against")
+    parser.add_argument("--baseline", help="a checkout of the commit to compare against")
+    parser.add_argument("--ddp", action="store_true", help="DDP with SurvivingSync against DDP alone, in this tree")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
+    if args.ddp == bool(args.baseline):
+        parser.error("give --baseline TREE or --ddp")
     this, base = [], []
     for n in range(args.rounds):
-        this.append(_round(ROOT, args.steps))
-        base.append(_round(os.path.abspath(args.baseline), args.steps))
+        if args.ddp:
+            this.append(_round(ROOT, args.steps, ddp=True, surviving=True))
+            base.append(_round(ROOT, args.steps, ddp=True, surviving=False))
+        else:
+            this.append(_round(ROOT, args.steps))
+            base.append(_round(os.path.abspath(args.baseline), args.steps))
         print(f"round {n}: this tree {this[-1]:.2f} steps/s, baseline {base[-1]:.2f} steps/s "
               f"({this[-1] / base[-1]:.3f}x)", flush=True)
     print(json.dumps({"this": this, "baseline": base, "ratio_of_medians": statistics.median(this) / statistics.median(base),

@@ -282,8 +282,7 @@ class SurvivingSync:
             dist.all_reduce(self._control)
         self._tickets_seen = max(self._tickets_seen, int(control.item()))
         if self._buckets is not None:  # rank 0's module buffers, which DDP would have broadcast
-            dist.all_reduce(self._buckets.fill_control(step))
-            self._buckets.arrived(step)
+            self._buckets.send_buffers(step)
 
     def _unpack(self, step: int) -> None:
         averages = self._averages[step % 2]

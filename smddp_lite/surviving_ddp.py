@@ -9,9 +9,11 @@ the step. The bucket's gradients before the average stay where the redo finds th
 bucket, which it copies into ``param.grad`` from our buffer and does not overwrite, or, with
 ``gradient_as_bucket_view`` (where ``param.grad`` is the bucket), in a copy the hook keeps.
 
-Bucket 0's hook also launches one small float64 call: rank 0's count of waiting replacements
-and rank 0's module buffers (the others send zeros), which replaces DDP's broadcast of buffers
-at the next forward (a broadcast there would raise from forward on a loss). Redone after a loss,
+Rank 0's count of waiting replacements rides as one element more of bucket 0's average. Where
+the module has buffers to send (or bucket 0 is not float32 or float64), bucket 0's hook launches
+one small float64 call instead: the count and rank 0's module buffers (the others send zeros),
+which replaces DDP's broadcast of buffers at the next forward (a broadcast there would raise
+from forward on a loss). Redone after a loss,
 the buckets go in bucket order with that call after bucket 0, as the hooks launch them, so that
 a survivor one step behind (whose hooks run the next backward) meets the redo call for call.
 """
@@ -67,11 +69,10 @@ class DDPBuckets:
             kept.copy_(grads)
         if self.flat or self.failure is not None:
             return _completed(grads)  # DDP leaves the gradients as they are; sync() settles the step
-        average = self._average_buffer(self.step, i, grads)
         try:
-            torch.div(grads, dist.get_world_size(), out=average)
+            average, part = self._prepare(self.step, i, grads)
             future = dist.all_reduce(average, async_op=True).get_future()
-            if i == 0:
+            if i == 0 and not self._rides(0, grads):
                 self._control_work = dist.all_reduce(self.fill_control(self.step), async_op=True)
         except dist.DistError as failure:  # the group already failed on this rank
             self.failure = self.failure or failure
@@ -83,16 +84,32 @@ class DDPBuckets:
             except Exception as failure:  # a lost rank: recorded, settled by sync()
                 self.failure = self.failure or failure
                 return grads
-            return average
+            return part
 
         return future.then(arrived)
+
+    def _rides(self, i: int, grads: torch.Tensor) -> bool:
+        """Whether the ticket count rides as one element more of this bucket's average, which
+        saves the control call: bucket 0, no buffers to send, and a type exact for counts."""
+        return i == 0 and not self.buffers and grads.dtype in (torch.float32, torch.float64)
 
     def _average_buffer(self, step: int, i: int, grads: torch.Tensor) -> torch.Tensor:
         averages = self._averages[step % 2]
         average = averages.get(i)
-        if average is None or average.shape != grads.shape:
-            average = averages[i] = torch.empty_like(grads)
+        size = grads.numel() + self._rides(i, grads)
+        if average is None or average.numel() != size or average.dtype != grads.dtype:
+            average = averages[i] = torch.empty(size, dtype=grads.dtype, device=grads.device)
         return average
+
+    def _prepare(self, step: int, i: int, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``i``'s gradients over the world size in ``step``'s buffer, and the ticket count
+        where it rides there; returns what is reduced and the part of it that is the bucket."""
+        average = self._average_buffer(step, i, grads)
+        part = average[:grads.numel()]
+        torch.div(grads, dist.get_world_size(), out=part)
+        if average.numel() > grads.numel():
+            average[-1] = self.tickets() if dist.get_rank() == 0 else 0
+        return average, part
 
     def fill_control(self, step: int) -> torch.Tensor:
         control = self._controls[step % 2]
@@ -119,14 +136,24 @@ class DDPBuckets:
         return self.failure
 
     def arrived(self, step: int) -> int:
-        """Apply rank 0's buffers from ``step``'s control call; returns its ticket count."""
-        control = self._controls[step % 2]
-        at = 1
+        """Apply rank 0's buffers from ``step``'s control call; returns rank 0's ticket count."""
+        if self._rides(0, self._grads[0]):
+            return int(self._averages[step % 2][0][-1].item())
+        self._apply_buffers(step)
+        return int(self._controls[step % 2][0].item())
+
+    def send_buffers(self, step: int) -> None:
+        """In a step averaged flat: rank 0's buffers to every rank, in a call of their own."""
+        if self.buffers:
+            dist.all_reduce(self.fill_control(step))
+            self._apply_buffers(step)
+
+    def _apply_buffers(self, step: int) -> None:
+        control, at = self._controls[step % 2], 1
         with torch.no_grad():
             for b in self.buffers:
                 b.copy_(control[at:at + b.numel()].view_as(b))
                 at += b.numel()
-        return int(control[0].item())
 
     def reduce_again(self, step: int) -> int:
         """Average this step's buckets in the current group from the gradients kept, in the order
@@ -134,12 +161,11 @@ class DDPBuckets:
         self.failure = None
         for i in sorted(self._params):
             grads = self._kept[i] if self.view else self._grads[i]
-            average = self._average_buffer(step, i, grads)
-            torch.div(grads, dist.get_world_size(), out=average)
+            average, part = self._prepare(step, i, grads)
             dist.all_reduce(average)
-            if i == 0:
+            if i == 0 and not self._rides(0, grads):
                 dist.all_reduce(self.fill_control(step))
-            self._write(i, average)
+            self._write(i, part)
         return self.arrived(step)
 
     def averages(self, step: int) -> list[torch.Tensor]:
