@@ -11,9 +11,11 @@ medians::
     python -m benchmarks.surviving_overhead --baseline /tmp/base --rounds 8
 
 With ``--ddp`` the rounds compare, in this tree, a DistributedDataParallel of the same model
-with SurvivingSync against the same DDP alone (the option on against off)::
+with SurvivingSync against the same DDP alone (the option on against off); with
+``--python-hook-floor`` too, a third arm runs DDP with torch's own Python all_reduce hook, what
+any Python comm hook costs::
 
-    python -m benchmarks.surviving_overhead --ddp --rounds 8
+    python -m benchmarks.surviving_overhead --ddp --python-hook-floor --rounds 8
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def rank(steps: int, ddp: bool = False, surviving: bool = True) -> float:
+def rank(steps: int, ddp: bool = False, surviving: bool = True, python_hook: bool = False) -> float:
     """One rank: steps per second of forward, backward, sync() and SGD; with ``ddp`` the model is
-    a DistributedDataParallel, with SurvivingSync or (``surviving=False``) alone."""
+    a DistributedDataParallel, with SurvivingSync or (``surviving=False``) alone, or alone with
+    torch's own Python all_reduce hook (``python_hook``)."""
     import torch
     import torch.distributed as dist
 
@@ -44,6 +47,10 @@ def rank(steps: int, ddp: bool = False, surviving: bool = True) -> float:
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
+    if python_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model.register_comm_hook(None, allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     sync = SurvivingSync(model, optimizer) if surviving else None
     x = torch.randn(32, 512)
@@ -78,23 +85,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", help="a checkout of the commit to compare against")
     parser.add_argument("--ddp", action="store_true", help="DDP with SurvivingSync against DDP alone, in this tree")
+    parser.add_argument("--python-hook-floor", action="store_true",
+                        help="with --ddp: a third arm, DDP with torch's Python all_reduce hook")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     if args.ddp == bool(args.baseline):
         parser.error("give --baseline TREE or --ddp")
-    this, base = [], []
+    this, base, floor = [], [], []
     for n in range(args.rounds):
         if args.ddp:
             this.append(_round(ROOT, args.steps, ddp=True, surviving=True))
             base.append(_round(ROOT, args.steps, ddp=True, surviving=False))
+            if args.python_hook_floor:
+                floor.append(_round(ROOT, args.steps, ddp=True, surviving=False, python_hook=True))
+                print(f"round {n}: DDP with torch's Python hook {floor[-1]:.2f} steps/s "
+                      f"({floor[-1] / base[-1]:.3f}x DDP alone)", flush=True)
         else:
             this.append(_round(ROOT, args.steps))
             base.append(_round(os.path.abspath(args.baseline), args.steps))
         print(f"round {n}: this tree {this[-1]:.2f} steps/s, baseline {base[-1]:.2f} steps/s "
               f"({this[-1] / base[-1]:.3f}x)", flush=True)
-    print(json.dumps({"this": this, "baseline": base, "ratio_of_medians": statistics.median(this) / statistics.median(base),
-                      "paired_ratios": [t / b for t, b in zip(this, base)]}))
+    results = {"this": this, "baseline": base, "ratio_of_medians": statistics.median(this) / statistics.median(base),
+               "paired_ratios": [t / b for t, b in zip(this, base)]}
+    if floor:
+        results.update(python_hook=floor, python_hook_ratio_of_medians=statistics.median(floor) / statistics.median(base))
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":

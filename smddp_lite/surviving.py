@@ -26,8 +26,12 @@ to decide writes the members with a compare-and-set, and everyone adopts that li
 checks in later (it was stopped, or its network came back) finds itself missing and raises
 ``RankDeclaredLostError``, never joining silently.
 
+A DistributedDataParallel model keeps its buckets: smddp_lite/surviving_ddp.py reduces them
+during backward, and ``sync()`` settles the step the same way, bucket by bucket.
+
 Growing back: a replacement process (the same script, started by the user's launcher) makes its
-``SurvivingSync`` before any process group exists; finding the job running in the store, it
+``SurvivingSync`` before any process group exists (or in the group of one that
+``smddp_lite.init()`` makes in a replacement ``smddp_lite.launch`` started); finding the job running in the store, it
 takes a ticket and waits. The heartbeat threads read the ticket count, rank 0 adds it to the
 gradient average (one element more, at no cost of a call), so every member learns of the
 newcomer in the same step; at the start of the next ``sync()`` they admit it: the group is made
@@ -107,7 +111,10 @@ class SurvivingSync:
 
     Args:
         model: the module (or an iterable of parameters) whose ``.grad`` are averaged. Every rank
-            must start from the same parameters, as with DDP.
+            must start from the same parameters, as with DDP. A ``DistributedDataParallel``
+            keeps its buckets, reduced during backward through a comm hook of SurvivingSync's
+            (make the group with ``smddp_lite.init()`` first; docs/surviving.md). FSDP and
+            ``smddp_lite.compile`` models are refused.
         optimizer: sent, with the parameters, to each replacement (its ``state_dict``). Without
             it a replacement gets the parameters only.
         min_world_size: below this many live ranks, ``sync()`` raises ``TooFewRanksError`` on
