@@ -164,10 +164,9 @@ class SurvivingSync:
         self._averages = [{dtype: torch.zeros(n + (dtype == self._carrier), dtype=dtype, device=device)
                            for dtype, n in by_dtype.items()} for _ in range(2)]
         self._control = None if self._carrier else torch.zeros(1, dtype=torch.float32, device=device)
-        self._flat_steps: set[int] = set()  # with DDP: the steps averaged flat (an admission's), of the last two
         self._buckets: DDPBuckets | None = None
         if isinstance(model, DistributedDataParallel):
-            self._buckets = DDPBuckets(model, tickets=lambda: self._heart.tickets)
+            self._buckets = DDPBuckets(model, tickets=lambda: self._heart.tickets, step=lambda: self.step)
             model.register_forward_pre_hook(self._before_forward)
         from .launch import standing_by
 
@@ -208,13 +207,12 @@ class SurvivingSync:
 
     def __call__(self) -> None:
         """Average every parameter's gradient over the live ranks, in place in ``param.grad``."""
-        if self._buckets is not None and not self._buckets.flat:
+        if self._buckets is not None and self.step not in self._buckets.flat_steps:
             self._settle_ddp_step()
         else:
             self._sync_flat()
-        if self._buckets is not None:
-            self._buckets.flat, self._buckets.step = False, self.step
-            self._flat_steps.intersection_update({self.step - 1, self.step - 2})
+        if self._buckets is not None:  # a survivor a step ahead may still send the one before
+            self._buckets.flat_steps.intersection_update({self.step - 1, self.step - 2})
 
     def _sync_flat(self) -> None:
         while True:
@@ -237,23 +235,21 @@ class SurvivingSync:
         left and average the kept buckets again, or take a survivor's that is a step ahead."""
         buckets = self._buckets
         failure = buckets.finish()
-        if failure is None:
-            self._tickets_seen = max(self._tickets_seen, buckets.arrived(self.step))
-        # not losses: every rank alive and calling something else (a bug to fix), or the end of
-        # this rank's part in the job
-        final = (CollectiveMismatchError, RankDeclaredLostError, TooFewRanksError)
         while failure is not None:
-            if isinstance(failure, final):
-                raise failure
+            if isinstance(failure, CollectiveMismatchError):
+                raise failure  # every rank is alive and called something else: a bug to fix, not a loss
+            if self._recover(failure):  # (which raises what ends this rank's part in the job)
+                return  # the average of this step came from a survivor a step ahead
             try:
-                if self._recover(failure):
-                    return  # the average of this step came from a survivor a step ahead
                 self._tickets_seen = max(self._tickets_seen, buckets.reduce_again(self.step))
-                failure = None
-            except final:
+            except CollectiveMismatchError:
                 raise
             except dist.DistError as again:  # another rank lost during the redo
                 failure = again
+                continue
+            self.step += 1
+            return
+        self._tickets_seen = max(self._tickets_seen, buckets.arrived(self.step))
         self.step += 1
 
     def _before_forward(self, _module: torch.nn.Module, _inputs: object) -> None:
@@ -262,8 +258,7 @@ class SurvivingSync:
         layout differs from the others', and every rank rebuilds its layout at the next forward."""
         if self._tickets_seen > self._tickets_admitted:
             self._admit()
-            self._buckets.flat = True
-            self._flat_steps.add(self.step)
+            self._buckets.flat_steps.add(self.step)
 
     # one step -----------------------------------------------------------------------------------
     def _average(self, step: int) -> None:
@@ -329,9 +324,8 @@ class SurvivingSync:
         self._heart.watch(self.members)
         self._rebuild(self.members, self.generation, admitted=True)
         self._receive_state()
-        if self._buckets is not None:
-            self._buckets.flat, self._buckets.step = True, self.step
-            self._flat_steps.add(self.step)
+        if self._buckets is not None:  # its first step is averaged flat, as _before_forward says
+            self._buckets.flat_steps.add(self.step)
         change = Change(self.generation, (), (self.first_rank,), self.members, dist.get_rank(),
                         dist.get_world_size(), self.step, time.monotonic() - started, self.step)
         _log.warning("smddp: joined as rank %d of %d at sync %d, %.2f s after starting", change.rank,
@@ -496,7 +490,7 @@ class SurvivingSync:
             raise RuntimeError(f"SurvivingSync: survivors are at syncs {steps}, more than one apart; "
                                "every rank must call sync() once per step")
         holder = steps.index(behind + 1)
-        flat = self._buckets is None or behind in self._flat_steps
+        flat = self._buckets is None or behind in self._buckets.flat_steps
         for average in (self._averages[behind % 2].values() if flat else self._buckets.averages(behind)):
             dist.broadcast(average, src=holder)
         if self.step == behind:

@@ -31,12 +31,12 @@ from torch.nn.parallel import DistributedDataParallel
 class DDPBuckets:
     """The comm hook SurvivingSync registers on a DDP model, and what it kept of each step."""
 
-    def __init__(self, ddp: DistributedDataParallel, tickets: Callable[[], int]) -> None:
+    def __init__(self, ddp: DistributedDataParallel, tickets: Callable[[], int], step: Callable[[], int]) -> None:
         refuse_ddp_settings(ddp)
-        self.ddp, self.tickets = ddp, tickets
+        self.ddp, self.tickets, self.step = ddp, tickets, step  # step(): the sync the hooks reduce for
         self.view = bool(ddp.gradient_as_bucket_view)
-        self.step = 0  # the step the hooks reduce (its parity picks the buffers)
-        self.flat = False  # this step's buckets are not reduced: SurvivingSync averages it flat
+        # the steps (of the last two) whose buckets are not reduced: SurvivingSync averages them flat
+        self.flat_steps: set[int] = set()
         self.failure: BaseException | None = None  # the first failed call of this step
         self._params: dict[int, list[torch.Tensor]] = {}  # bucket index -> its parameters, in bucket order
         self._grads: dict[int, torch.Tensor] = {}  # bucket index -> its gradients before the average
@@ -67,13 +67,14 @@ class DDPBuckets:
             if kept is None or kept.shape != grads.shape:
                 kept = self._kept[i] = torch.empty_like(grads)
             kept.copy_(grads)
-        if self.flat or self.failure is not None:
+        step = self.step()
+        if step in self.flat_steps or self.failure is not None:
             return _completed(grads)  # DDP leaves the gradients as they are; sync() settles the step
         try:
-            average, part = self._prepare(self.step, i, grads)
+            average, part = self._prepare(step, i, grads)
             future = dist.all_reduce(average, async_op=True).get_future()
             if i == 0 and not self._rides(0, grads):
-                self._control_work = dist.all_reduce(self.fill_control(self.step), async_op=True)
+                self._control_work = dist.all_reduce(self.fill_control(step), async_op=True)
         except dist.DistError as failure:  # the group already failed on this rank
             self.failure = self.failure or failure
             return _completed(grads)
