@@ -24,6 +24,7 @@ import torch.distributed as dist
 from . import flight_recorder, numerics, ops
 from .algorithms import Collectives
 from .call import Call
+from .compile_boundary import hide_backend_from_dynamo
 from .cuda.route import cuda_device, gathers_unevenly, staging_reason
 from .errors import InvalidCallError, RecoverableMismatchError, SMDDPError, where
 from .fast_cpu import FastCpuCalls
@@ -95,6 +96,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         from smddp_lite.config import backend_config
 
         _let_gloo_settle_at_exit()
+        hide_backend_from_dynamo()  # torch.compile calls into a group as into torch's C++ backends
 
         self.config = config or backend_config()
         self.timeout = timeout
@@ -673,6 +675,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                         "%s", self._group_name or "default",
                         "through NCCL (cupy)" if self._cuda.nccl else f"through host memory: {self._cuda.reason}")
             self._fast_cuda = self._cuda.nccl.fast if self._cuda.nccl is not None else None
+            hide_backend_from_dynamo()  # the CUDA modules just loaded
         return self._cuda
 
     def _cuda_failed(self, reason: str) -> None:
