@@ -111,21 +111,32 @@ def launch(target: str, world_size: int, *, env: dict[str, str] | None = None, t
 
 
 def torchrun(args: list[str], *, cwd, nproc: int = 2, timeout: float = 300,
-             python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+             python_flags: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --standalone --nproc-per-node N ARGS`` as a user runs it:
-    the installed smddp_lite, no variables of this test session. On timeout the launcher and its
-    ranks are killed together (killing the launcher alone leaves its ranks running)."""
+    the installed smddp_lite, no variables of this test session but ``env``. On timeout the
+    launcher and its ranks are killed together (killing the launcher alone leaves its ranks running)."""
+    return _run_launcher([sys.executable, *python_flags, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", str(nproc), *args], cwd, timeout, env)
+
+
+def mpiexec_python(args: list[str], *, cwd, nproc: int = 2, timeout: float = 300,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``mpiexec -n N python ARGS`` as a user runs it, as ``torchrun`` above (call
+    ``skip_without_mpiexec`` first)."""
+    return _run_launcher([mpiexec(), "-n", str(nproc), sys.executable, *args], cwd, timeout, env)
+
+
+def _run_launcher(command: list[str], cwd, timeout: float, extra: dict[str, str] | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SMDDP_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "PYTHONPATH")}
-    proc = subprocess.Popen([sys.executable, *python_flags, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", str(nproc), *args], cwd=cwd, env=dict(env, OMP_NUM_THREADS="1"),
+    proc = subprocess.Popen(command, cwd=cwd, env=dict(env, OMP_NUM_THREADS="1", **(extra or {})),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"torchrun {' '.join(args)} did not finish in {timeout} s:\n{out}\n{err}") from None
+        raise AssertionError(f"{' '.join(command)} did not finish in {timeout} s:\n{out}\n{err}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -15,22 +15,60 @@ EXAMPLES = {"dcp_resume": "torch", "hf_trainer": "transformers", "accelerate_loo
             "lightning_fit": "lightning"}
 
 
-def _run(example: str, backend: str, out) -> dict:
-    run = harness.torchrun(["-m", f"smddp_lite.examples.{example}", "--backend", backend, "--out", str(out)],
-                           cwd=harness.ROOT)
-    assert run.returncode == 0, f"{example} on {backend}:\n{run.stdout}\n{run.stderr}"
+# the examples whose --compile turns on the framework's own compile switch (torch.compile around
+# the DDP model it wraps): what users of the Trainer's torch_compile=True reach
+COMPILED = ("hf_trainer", "accelerate_loop", "lightning_fit")
+_gloo_results: dict[tuple[str, bool], dict] = {}  # the reference runs, once per session
+
+
+def _run(example: str, backend: str, out, *, compiled: bool = False, transport: str | None = None) -> dict:
+    args = ["-m", f"smddp_lite.examples.{example}", "--backend", backend, "--out", str(out)]
+    args += ["--compile"] if compiled else []
+    env = {"SMDDP_TRANSPORT": transport} if transport else None
+    if transport == "mpi":
+        run = harness.mpiexec_python(args, cwd=harness.ROOT, env=env)
+    else:
+        run = harness.torchrun(args, cwd=harness.ROOT, env=env)
+    assert run.returncode == 0, f"{example} on {backend} ({transport or 'default transport'}):\n{run.stdout}\n{run.stderr}"
+    if transport is not None:  # rank 0 logs the default group's transport
+        assert f"uses transport {transport}" in run.stdout + run.stderr, run.stdout + run.stderr
     return json.loads(out.read_text())
+
+
+def _on_gloo(example: str, compiled: bool, tmp_path) -> dict:
+    if (example, compiled) not in _gloo_results:
+        _gloo_results[example, compiled] = _run(example, "gloo", tmp_path / "gloo.json", compiled=compiled)
+    return _gloo_results[example, compiled]
+
+
+def _assert_same_training(ours: dict, gloo: dict) -> None:
+    assert ours["world_size"] == gloo["world_size"] == 2
+    assert len(ours["losses"]) == len(gloo["losses"]) >= 6, (ours["losses"], gloo["losses"])
+    # two ranks: every sum has two terms, in either order the same float
+    assert ours["losses"] == pytest.approx(gloo["losses"], rel=1e-6), (ours["losses"], gloo["losses"])
+    assert ours["parameter_sums"] == pytest.approx(gloo["parameter_sums"], rel=1e-6, abs=1e-9)
 
 
 @pytest.mark.parametrize("example", list(EXAMPLES))
 def test_framework_example_gives_the_results_it_gives_on_gloo(tmp_path, example):
     if importlib.util.find_spec(EXAMPLES[example]) is None:
         pytest.skip(f"{EXAMPLES[example]} is not installed (pip install -e '.[test]' installs it)")
-    ours, gloo = _run(example, "smddp", tmp_path / "smddp.json"), _run(example, "gloo", tmp_path / "gloo.json")
-    assert ours["world_size"] == gloo["world_size"] == 2
-    assert len(ours["losses"]) == len(gloo["losses"]) >= 6, (ours["losses"], gloo["losses"])
-    # two ranks: every sum has two terms, in either order the same float
-    assert ours["losses"] == pytest.approx(gloo["losses"], rel=1e-6), (ours["losses"], gloo["losses"])
-    assert ours["parameter_sums"] == pytest.approx(gloo["parameter_sums"], rel=1e-6, abs=1e-9)
+    ours = _run(example, "smddp", tmp_path / "smddp.json")
+    _assert_same_training(ours, _on_gloo(example, False, tmp_path))
     if example == "dcp_resume":  # resumed in the compiled step with AdamW's moments: as if never stopped
         assert ours["losses"] == pytest.approx(ours["uninterrupted"], rel=1e-5)
+
+
+# every example on shared memory in the quick tier; the other transports in the full tier
+@pytest.mark.parametrize("transport", ["shm", pytest.param("gloo", marks=tiers.FULL_ONLY),
+                                       pytest.param("mpi", marks=tiers.FULL_ONLY)])
+@pytest.mark.parametrize("example", [pytest.param(e, marks=tiers.QUICK) for e in COMPILED])
+def test_framework_compiled_by_its_own_switch_gives_the_results_it_gives_on_gloo(tmp_path, example, transport):
+    """The Trainer's torch_compile=True, Accelerate's dynamo plugin and a compiled LightningModule
+    each compile DDP's forward and backward (torch's DDPOptimizer) around calls on this backend."""
+    if importlib.util.find_spec(EXAMPLES[example]) is None:
+        pytest.skip(f"{EXAMPLES[example]} is not installed (pip install -e '.[test]' installs it)")
+    if transport == "mpi":
+        harness.skip_without_mpiexec()
+    ours = _run(example, "smddp", tmp_path / "smddp.json", compiled=True, transport=transport)
+    _assert_same_training(ours, _on_gloo(example, True, tmp_path))

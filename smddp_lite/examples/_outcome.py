@@ -24,4 +24,6 @@ def arguments(description: str):
     parser.add_argument("--backend", default="smddp", help="smddp, or gloo to compare")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", help="write the losses and parameter sums here (JSON, rank 0)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the model with torch.compile, through the framework's own switch")
     return parser.parse_args()

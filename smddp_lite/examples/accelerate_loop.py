@@ -4,6 +4,7 @@ Accelerate takes the process group it finds: initialise it first (its own launch
 only the backends it knows).
 
     torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.accelerate_loop
+    torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.accelerate_loop --compile
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from smddp_lite.examples import _outcome
 def main() -> None:
     args = _outcome.arguments(__doc__)
     smddp_lite.init(backend=args.backend)  # before Accelerator(): it uses this group
-    accelerator = Accelerator(cpu=True)
+    # --compile: Accelerate's own switch (its dynamo plugin), which compiles the DDP model it wraps
+    accelerator = Accelerator(cpu=True, dynamo_backend="inductor" if args.compile else "no")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

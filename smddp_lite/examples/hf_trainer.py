@@ -4,6 +4,7 @@ The Trainer takes the process group it finds: initialise it first (``ddp_backend
 refused by name by transformers' TrainingArguments).
 
     torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.hf_trainer
+    torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.hf_trainer --compile   # torch_compile=True
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def main() -> None:
         training = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=4, max_steps=args.steps,
                                      learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
                                      use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
-                                     ddp_find_unused_parameters=False)
+                                     ddp_find_unused_parameters=False, torch_compile=args.compile)
         trainer = Trainer(model=model, args=training, train_dataset=Sentences(64))
         trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -1,6 +1,7 @@
 """PyTorch Lightning on the "smddp" backend: its DDP strategy, told the backend's name.
 
     torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.lightning_fit
+    torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.lightning_fit --compile
 """
 
 from __future__ import annotations
@@ -24,9 +25,15 @@ class Classifier(L.LightningModule):
     def training_step(self, batch, _):
         inputs, labels = batch
         loss = torch.nn.functional.cross_entropy(self.net(inputs), labels)
-        self.losses.append(float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")))  # over ranks
-        self.log("loss", loss, sync_dist=True)
+        self._record(loss.detach())
         return loss
+
+    # logging reads the loss's value and calls Lightning's machinery: under torch.compile (--compile)
+    # it runs as plain Python, outside the graph, as logging should
+    @torch.compiler.disable
+    def _record(self, loss: torch.Tensor) -> None:
+        self.losses.append(float(self.trainer.strategy.reduce(loss, reduce_op="mean")))  # over ranks
+        self.log("loss", loss, sync_dist=True)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -41,7 +48,8 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend=args.backend),
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    # --compile: a compiled LightningModule, which Lightning unwraps, wraps in DDP and compiles again
+    trainer.fit(torch.compile(model) if args.compile else model, torch.utils.data.DataLoader(data, batch_size=8))
     if trainer.is_global_zero:
         print(f"Lightning on {args.backend}: {len(model.losses)} steps, "
               f"loss {model.losses[0]:.4f} -> {model.losses[-1]:.4f}")
