@@ -279,6 +279,10 @@ ENV_VARS: dict[str, tuple[tuple[str, str], ...]] = {
     "SMDDP_SHARD_OPTIMIZER_STATE": (("compile", "shard_optimizer_state"),),
     # no knob: smddp_lite.launch marks the replacements it starts, for smddp_lite.init()
     "SMDDP_REPLACEMENT": (),
+    # no knob here: the container's PID 1 (docker/entrypoint.py) reads these, and on SageMaker an
+    # estimator's environment= reaches every rank too, where they must not stop the backend
+    "SMDDP_STOP_GRACE_S": (),
+    "SMDDP_MPI_DONE_WAIT_S": (),
 }
 
 # Variables that AWS's SMDDP reads and this library does not need. Scripts brought over from

@@ -24,3 +24,12 @@ def scratch_kept(numel: int = 1 << 21) -> dict:
     right = bool((t == world).all()) and bool((out == world).all())
     dist.destroy_process_group()
     return {"kept": kept, "right": right}
+
+
+def sum_of_ranks() -> int:
+    """``init_process_group(backend="smddp")`` as a user's script calls it, then one all_reduce."""
+    dist.init_process_group(backend="smddp")
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return int(t.item())

@@ -35,6 +35,17 @@ def test_bad_values_say_what_is_expected(env, words):
         backend_config(env)
 
 
+def test_the_containers_variables_reach_every_rank_without_stopping_the_backend():
+    """docs/docker.md names SMDDP_STOP_GRACE_S and SMDDP_MPI_DONE_WAIT_S, which the container's
+    PID 1 reads; on SageMaker an estimator's environment= sets them for every rank too, where
+    init_process_group refused them as unknown and the whole job died."""
+    env = {"SMDDP_STOP_GRACE_S": "5", "SMDDP_MPI_DONE_WAIT_S": "30"}
+    assert backend_config(env) == BackendConfig()
+    assert harness.values(harness.launch("tests.config_programs:sum_of_ranks", 2, env=env)) == [1, 1]
+    with pytest.raises(ValueError, match="unknown environment variable SMDDP_STOP_GRACE; known: .*SMDDP_STOP_GRACE_S"):
+        backend_config({"SMDDP_STOP_GRACE": "5"})
+
+
 def test_aws_only_variables_warn_instead_of_failing():
     with pytest.warns(UserWarning, match="AWS SMDDP setting"):
         assert backend_config({"SMDDP_AG_SCRATCH_BUFFER_SIZE_BYTES": "1"}) == BackendConfig()
