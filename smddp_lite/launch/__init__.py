@@ -157,36 +157,39 @@ def _meet_through_mpi(store_timeout: timedelta):
     return store, rank, size
 
 
-def store_address(master_addr: str | None, one_host: bool) -> str:
+def store_address(master_addr: str | None, one_host: bool, setting: str = "MASTER_ADDR") -> str:
     """The one address the rendezvous store listens on and every rank dials.
 
     A job on one host uses loopback, reachable by no other machine; otherwise ``MASTER_ADDR`` or
     this host's name, resolved here so that the store listens on that address alone (torch's
-    TCPStore listens on every interface; see docs/security.md)."""
+    TCPStore listens on every interface; see docs/security.md). ``setting``: what the user sets
+    to give the address (``MASTER_ADDR``, or the launcher's ``--master-addr``), named in errors."""
     if master_addr is None and one_host:
         return "127.0.0.1"
     name = master_addr or socket.gethostname()
     try:
         address = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0]
     except socket.gaierror as exc:
-        raise OSError(f"cannot resolve the rendezvous host {name!r} ({exc.strerror}); set MASTER_ADDR to "
+        raise OSError(f"cannot resolve the rendezvous host {name!r} ({exc.strerror}); set {setting} to "
                       "rank 0's address on the network the job uses") from None
     if not one_host and ipaddress.ip_address(address).is_loopback:
         raise ValueError(f"the job spans several hosts, and the rendezvous host {name!r} resolves to the loopback "
-                         f"address {address}, which the other hosts cannot reach; set MASTER_ADDR to rank 0's "
+                         f"address {address}, which the other hosts cannot reach; set {setting} to rank 0's "
                          "address on the network the job uses")
     return address
 
 
-def open_store(address: str, world_size: int, timeout: timedelta) -> dist.TCPStore:
-    """A TCPStore server on a port the OS picks, listening on ``address`` only.
+def open_store(address: str, world_size: int | None, timeout: timedelta, port: int = 0) -> dist.TCPStore:
+    """A TCPStore server listening on ``address`` only, on ``port`` (0: a port the OS picks).
 
     The socket is bound here and handed over (``master_listen_fd``), because TCPStore binds its
-    own to every interface."""
+    own to every interface. ``SO_REUSEADDR`` as TCPStore sets it: a fixed port is free again as
+    soon as the last store on it closed, not once its connections' TIME_WAIT ends."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.bind((address, 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
         sock.listen(socket.SOMAXCONN)
         port = sock.getsockname()[1]
     except OSError:

@@ -8,8 +8,10 @@ process ends with an error while the job still trains is started again as a repl
 ``SurvivingSync`` admits at the next step.
 
 The rendezvous store lives in the first host's launcher, not in a rank: the survivors meet
-there after a loss. Every host's launcher writes how many of its ranks run, so that each can
-end its ranks once fewer than ``--min-world-size`` are left in the whole job.
+there after a loss. It listens on one address only (loopback for a job on one host, else
+``--master-addr``), not on every interface as torch's TCPStore does (docs/security.md). Every
+host's launcher writes how many of its ranks run, so that each can end its ranks once fewer
+than ``--min-world-size`` are left in the whole job.
 
 The launcher's exit status is the job's: 0 once a rank finished with 0 and no process failed
 after it, else that of the last failure that was not replaced (128 + the signal's number for a
@@ -19,6 +21,7 @@ rank killed by a signal, as shells say it).
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import shutil
@@ -33,6 +36,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
+
+from . import open_store, store_address
 
 _log = logging.getLogger("smddp_lite.launch")
 
@@ -58,8 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="ranks on this host")
     parser.add_argument("--nnodes", type=int, default=1, help="hosts in the job, one launcher on each")
     parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this host's index (0 hosts the store)")
-    parser.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
-                        help="the first host's address, where the store listens")
+    parser.add_argument("--master-addr", "--master_addr", default=None,
+                        help="the first host's address, where the store listens on that address alone and every "
+                             "launcher and rank dials it (default: loopback on one host; on several, the first host "
+                             "listens on its host name's address, and the others must be given it)")
     parser.add_argument("--master-port", "--master_port", type=int, default=None,
                         help="the store's port (default: a free port on one host, 29500 on several)")
     parser.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
@@ -80,6 +87,41 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _store(args: argparse.Namespace) -> tuple[str, dist.TCPStore]:
+    """The job's store, and the address its ranks dial. The first host's launcher hosts it (unless
+    --store-outside), listening on one address only (docs/security.md): loopback for a job on one
+    host, else --master-addr (or the host's name), resolved. Every other launcher dials it."""
+    port = args.master_port if args.master_port is not None else (0 if args.nnodes == 1 else 29500)
+    timeout = timedelta(seconds=args.store_timeout)
+    if args.node_rank != 0 or args.store_outside:
+        if args.master_addr is None and args.nnodes > 1:
+            where = "--store-outside" if args.store_outside else f"--node-rank {args.node_rank}"
+            raise SystemExit(f"smddp launch: {where} expected --master-addr, the address of the host whose store "
+                             "this launcher dials; found none. Give every launcher the first host's address on the "
+                             "network the job uses (the same --master-addr for all)")
+        address = args.master_addr or "127.0.0.1"
+        return address, dist.TCPStore(address, port, is_master=False, timeout=timeout)
+    try:
+        address = store_address(args.master_addr, one_host=args.nnodes == 1, setting="--master-addr")
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"smddp launch: {exc}") from None
+    try:
+        return address, open_store(address, None, timeout, port=port)
+    except OSError as exc:
+        given = "" if args.master_addr in (None, address) else f" (--master-addr {args.master_addr})"
+        at = f"{address}:{port}" if port else f"{address} (on a free port)"
+        if exc.errno == errno.EADDRINUSE:
+            fix = ("another process listens there; give another --master-port, or on one host leave it out for a "
+                   "free port")
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            fix = ("that is no address of this host, and the first host (--node-rank 0) hosts the store: give it its "
+                   "own address on the network the job uses, or --store-outside where the store runs elsewhere")
+        else:
+            fix = "give --master-addr and --master-port an address of this host and a port it may listen on"
+        raise SystemExit(f"smddp launch: expected to open the job's store on {at}{given}; found the error "
+                         f"\"{exc.strerror or exc}\": {fix}") from None
+
+
 class Launcher:
     """This host's ranks of one job, each in a process context of its own."""
 
@@ -95,10 +137,8 @@ class Launcher:
                              "its own; found none")
         self.args = args
         self.world_size = args.nnodes * args.nproc_per_node
-        port = args.master_port if args.master_port is not None else (0 if args.nnodes == 1 else 29500)
         # the store outlives every rank: the survivors meet in it after a loss
-        self.store = dist.TCPStore(args.master_addr, port, is_master=args.node_rank == 0 and not args.store_outside,
-                                   wait_for_workers=False, timeout=timedelta(seconds=args.store_timeout))
+        self.master_addr, self.store = _store(args)
         self.port = self.store.port
         self.run_id = f"smddp-{os.getpid()}-{socket.gethostname()}"
         self._log_dir = args.log_dir or tempfile.mkdtemp(prefix="smddp-launch-")
@@ -116,7 +156,7 @@ class Launcher:
             "RANK": str(slot.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(slot.local_rank),
             "LOCAL_WORLD_SIZE": str(a.nproc_per_node), "GROUP_RANK": str(a.node_rank),
             "ROLE_RANK": str(slot.rank), "ROLE_WORLD_SIZE": str(self.world_size), "ROLE_NAME": "default",
-            "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(self.port),
+            "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.port),
             # the store is the launcher's: a rank that starts after the job began joins it as a
             # replacement (SurvivingSync), and no rank's exit takes the store with it
             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
