@@ -18,15 +18,19 @@ One more end it sees to, for ``train``: on the other hosts of an "smdistributed 
 job, the toolkit runs no rank itself. Open MPI's daemon (orted) runs them for the first host's
 mpirun, and the toolkit waits until the first host writes ``/tmp/done.<host>`` after a
 successful run. When that run failed or was stopped, the file never comes, and the toolkit waits
-on (it asks again only every few minutes), for SageMaker to stop the instance. So once the
-daemon has come and gone here, and ``SMDDP_MPI_DONE_WAIT_S`` (10) more seconds bring no such
-file, the job has ended without success: this writes why to ``/opt/ml/output/failure`` and
-ends the container with status 1.
+on (it asks again only every few minutes), for SageMaker to stop the instance. The first host
+writes those files one host at a time, over ssh, retrying each, so the wait for one grows with
+the job: once the daemon has come and gone here, and no such file has come within 10 s plus 5 s
+for each host after the first (the hosts of SageMaker's ``resourceconfig.json``; 15 s for 2
+hosts, 325 s for 64), or within ``SMDDP_MPI_DONE_WAIT_S`` seconds where that is set, the job has
+ended without success: this writes why to ``/opt/ml/output/failure`` and ends the container
+with status 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -34,16 +38,68 @@ import sys
 import time
 
 DEFAULT_GRACE_S = 15.0
-DEFAULT_MPI_DONE_WAIT_S = 10.0
+# The wait for the first host's done file, counted from this host's daemon exiting. The base
+# covers mpirun ending on the first host once every daemon has reported, and its toolkit turning
+# to the first ssh: 10 s sufficed for 2 hosts in docker/sagemaker_local.py. The toolkit then runs
+# ``ssh HOST touch FILE`` for every other host in turn (resourceconfig's order), retrying a failed
+# one up to 5 times 1 s apart: one ssh takes well under a second on the job's network, so 5 s per
+# host leaves room for a slow handshake, or a failed try and its pause. Counting every host, not
+# this host's place in that order, keeps the rule independent of it. A longer wait only delays a
+# failed job's report (without the watch none comes), and 2 hosts' 15 s still ends every
+# container within sagemaker_local.py's 30 s of a stop of the first host.
+MPI_DONE_BASE_WAIT_S = 10.0
+MPI_DONE_WAIT_PER_HOST_S = 5.0
 MPI_DAEMONS = ("orted", "prted")  # Open MPI 4's and 5's
-DONE_FILE_PREFIX = "/tmp/done."  # the toolkit's MPI_FINISHED_STATUS_FILE, then the first host's name
+# the toolkit's MPI_FINISHED_STATUS_FILE, then the first host's name; tests move it out of /tmp
+DONE_FILE_PREFIX = os.environ.get("ENTRYPOINT_DONE_FILE_PREFIX", "/tmp/done.")
+
+
+def _base_dir() -> str:
+    return os.environ.get("SAGEMAKER_BASE_DIR", "/opt/ml")
+
+
+def job_hosts() -> int:
+    """How many hosts SageMaker's resourceconfig.json lists; 0 where it cannot be read."""
+    try:
+        with open(os.path.join(_base_dir(), "input", "config", "resourceconfig.json")) as f:
+            hosts = json.load(f)["hosts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    return len(hosts) if isinstance(hosts, list) else 0
+
+
+class SettingError(ValueError):
+    """A setting of the environment this entry point cannot use."""
+
+
+def seconds_setting(name: str) -> float | None:
+    """The variable ``name`` as seconds (a number >= 0), None where it is unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise SettingError(f"{name}={raw!r} is not a number of seconds; expected a number >= 0 (such as 15): "
+                           f"fix it, or unset it for the default")
+    return value
+
+
+def mpi_done_wait_s(hosts: int) -> float:
+    """Seconds to wait for the done file on a job of ``hosts`` hosts (0: unknown, counted as 2)."""
+    given = seconds_setting("SMDDP_MPI_DONE_WAIT_S")
+    if given is not None:
+        return given
+    return MPI_DONE_BASE_WAIT_S + MPI_DONE_WAIT_PER_HOST_S * max(hosts - 1, 1)
 
 
 class MpiWorkerWatch:
     """Says when this host's part of an mpirun job ended without the first host's note of success."""
 
-    def __init__(self, wait_s: float) -> None:
-        self.wait_s, self.seen, self.gone_at = wait_s, False, None
+    def __init__(self, wait_s: float, hosts: int = 0) -> None:
+        self.wait_s, self.hosts, self.seen, self.gone_at = wait_s, hosts, False, None
 
     @staticmethod
     def _daemon_runs() -> bool:
@@ -59,7 +115,10 @@ class MpiWorkerWatch:
     @staticmethod
     def _done_noted() -> bool:
         folder, prefix = os.path.split(DONE_FILE_PREFIX)
-        return any(name.startswith(prefix) for name in os.listdir(folder))
+        try:
+            return any(name.startswith(prefix) for name in os.listdir(folder))
+        except OSError:  # no folder yet: no note either
+            return False
 
     def failure(self, now: float) -> str | None:
         if self._daemon_runs():
@@ -67,15 +126,18 @@ class MpiWorkerWatch:
         elif self.seen and self.gone_at is None:
             self.gone_at = now
         if self.gone_at is not None and now - self.gone_at > self.wait_s and not self._done_noted():
-            return (f"the MPI job this host ran ranks for ended without success: Open MPI's daemon here exited, "
-                    f"and in {self.wait_s:g} s the first host wrote no {DONE_FILE_PREFIX}<host> (it does after a "
-                    "successful mpirun). The first host's log and /opt/ml/output/failure say what happened there.")
+            hosts = f"the job's {self.hosts} hosts" if self.hosts else "each host (resourceconfig.json unread)"
+            return (f"the MPI job this host ran ranks for ended without success: expected the first host's "
+                    f"{DONE_FILE_PREFIX}<host> within {self.wait_s:g} s of Open MPI's daemon exiting here (after a "
+                    f"successful mpirun it writes one to {hosts} in turn, over ssh; SMDDP_MPI_DONE_WAIT_S sets "
+                    f"the wait), found none {now - self.gone_at:.0f} s after. The first host's log and its "
+                    "/opt/ml/output/failure say what happened there.")
         return None
 
 
 def _write_failure(reason: str) -> None:
     """SageMaker's FailureReason, unless the toolkit wrote one."""
-    path = os.path.join(os.environ.get("SAGEMAKER_BASE_DIR", "/opt/ml"), "output", "failure")
+    path = os.path.join(_base_dir(), "output", "failure")
     if not os.path.exists(path):
         with contextlib.suppress(OSError):
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -91,7 +153,13 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("entrypoint: no command given (expected `train` or a command line)", file=sys.stderr)
         return 2
-    grace = float(os.environ.get("SMDDP_STOP_GRACE_S", DEFAULT_GRACE_S))
+    try:  # before the command starts: a setting that cannot be used stops nothing half-way
+        grace = seconds_setting("SMDDP_STOP_GRACE_S")
+        grace = DEFAULT_GRACE_S if grace is None else grace
+        done_wait = mpi_done_wait_s(job_hosts()) if argv == ["train"] else None
+    except SettingError as exc:
+        print(f"entrypoint: {exc}", file=sys.stderr)
+        return 2
     is_init = os.getpid() == 1
     try:
         child = subprocess.Popen(argv, start_new_session=not is_init)
@@ -114,8 +182,7 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
-    watch = MpiWorkerWatch(float(os.environ.get("SMDDP_MPI_DONE_WAIT_S", DEFAULT_MPI_DONE_WAIT_S))) \
-        if argv == ["train"] else None
+    watch = MpiWorkerWatch(done_wait, job_hosts()) if done_wait is not None else None
     failed_status, next_look = None, 0.0
     status = None
     while status is None:
