@@ -96,7 +96,6 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         from smddp_lite.config import backend_config
 
         _let_gloo_settle_at_exit()
-        hide_backend_from_dynamo()  # torch.compile calls into a group as into torch's C++ backends
 
         self.config = config or backend_config()
         self.timeout = timeout
@@ -127,6 +126,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             log.log(level,
                     "smddp: group %s (%d ranks, %s) uses transport %s: %s",
                     group_name or "default", world_size, members, self.transport.name, reason)
+        # last, once the transport's modules are loaded: torch.compile calls into a group as
+        # into torch's C++ backends
+        hide_backend_from_dynamo()
 
     # identity ----------------------------------------------------------------------------------
     def getBackendName(self) -> str:
