@@ -25,6 +25,12 @@ for each host after the first (the hosts of SageMaker's ``resourceconfig.json``;
 hosts, 325 s for 64), or within ``SMDDP_MPI_DONE_WAIT_S`` seconds where that is set, the job has
 ended without success: this writes why to ``/opt/ml/output/failure`` and ends the container
 with status 1.
+
+And one start: before ``train`` runs as the container's PID 1 where ``resourceconfig.json`` exists,
+this makes the container's ssh trust for the job (``smddp_ssh_trust.py`` beside this file,
+docker/ssh_trust.py in the source): a fresh host key, and root's key accepted only from the job's
+hosts. Where that cannot be made, the container ends with status 1 and says why before ``train``
+starts. Outside PID 1 (this file run on a machine of its own) the machine's ssh is left alone.
 """
 
 from __future__ import annotations
@@ -145,6 +151,27 @@ def _write_failure(reason: str) -> None:
                 f.write(reason)
 
 
+def _make_ssh_trust() -> str | None:
+    """The job's ssh trust, made by the module beside this file; None, or why it failed."""
+    here = os.path.dirname(os.path.realpath(__file__))
+    paths = [os.path.join(here, name) for name in ("smddp_ssh_trust.py", "ssh_trust.py")]
+    path = next((p for p in paths if os.path.isfile(p)), None)
+    if path is None:
+        return (f"expected the ssh trust module at {paths[0]} (the image copies docker/ssh_trust.py there), "
+                "found none: rebuild the image from docker/Dockerfile")
+    import importlib.util  # here: only this start needs it
+    spec = importlib.util.spec_from_file_location("smddp_ssh_trust", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        made = module.setup()
+    except (module.TrustError, OSError) as exc:
+        return f"cannot limit ssh to the job's hosts, so `train` does not start: {exc}"
+    print(f"entrypoint: ssh: root's key accepted from the job's hosts only ({', '.join(made['addresses'])})",
+          file=sys.stderr, flush=True)
+    return None
+
+
 def _status(raw: int) -> int:
     return os.waitstatus_to_exitcode(raw) if os.WIFEXITED(raw) else 128 + os.WTERMSIG(raw)
 
@@ -161,6 +188,18 @@ def main(argv: list[str]) -> int:
         print(f"entrypoint: {exc}", file=sys.stderr)
         return 2
     is_init = os.getpid() == 1
+    if is_init and argv == ["train"] and os.path.exists(
+            os.path.join(_base_dir(), "input", "config", "resourceconfig.json")):
+        def stop_now(signum, frame) -> None:  # PID 1 ignores an unhandled SIGTERM: a stop while
+            raise SystemExit(128 + signum)    # the job's names resolve ends the container at once
+
+        signal.signal(signal.SIGTERM, stop_now)
+        signal.signal(signal.SIGINT, stop_now)
+        problem = _make_ssh_trust()
+        if problem is not None:
+            print(f"entrypoint: {problem}", file=sys.stderr, flush=True)
+            _write_failure(problem)
+            return 1
     try:
         child = subprocess.Popen(argv, start_new_session=not is_init)
     except FileNotFoundError:
