@@ -115,21 +115,24 @@ def torchrun(args: list[str], *, cwd, nproc: int = 2, timeout: float = 300,
     """``python -m torch.distributed.run --standalone --nproc-per-node N ARGS`` as a user runs it:
     the installed smddp_lite, no variables of this test session but ``env``. On timeout the
     launcher and its ranks are killed together (killing the launcher alone leaves its ranks running)."""
-    return _run_launcher([sys.executable, *python_flags, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", str(nproc), *args], cwd, timeout, env)
+    return run_as_user([sys.executable, *python_flags, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", str(nproc), *args], cwd=cwd, timeout=timeout, env=env)
 
 
 def mpiexec_python(args: list[str], *, cwd, nproc: int = 2, timeout: float = 300,
                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``mpiexec -n N python ARGS`` as a user runs it, as ``torchrun`` above (call
     ``skip_without_mpiexec`` first)."""
-    return _run_launcher([mpiexec(), "-n", str(nproc), sys.executable, *args], cwd, timeout, env)
+    return run_as_user([mpiexec(), "-n", str(nproc), sys.executable, *args], cwd=cwd, timeout=timeout, env=env)
 
 
-def _run_launcher(command: list[str], cwd, timeout: float, extra: dict[str, str] | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SMDDP_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "PYTHONPATH")}
-    proc = subprocess.Popen(command, cwd=cwd, env=dict(env, OMP_NUM_THREADS="1", **(extra or {})),
+def run_as_user(command: list[str], *, cwd, timeout: float, env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess:
+    """``command`` as a user runs it: no variables of this test session but ``env``, one OpenMP
+    thread a process. On timeout its whole session is killed (a launcher's ranks with it)."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("SMDDP_", "TORCHELASTIC_", "PYTEST_")) and k not in ("RANK", "WORLD_SIZE", "PYTHONPATH")}
+    proc = subprocess.Popen(command, cwd=cwd, env=dict(clean, OMP_NUM_THREADS="1", **(env or {})),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

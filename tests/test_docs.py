@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import warnings
@@ -169,20 +168,10 @@ def test_python_block_runs_on_two_cpu_ranks_without_a_warning(tmp_path, where):
 def _bash(source: str, cwd, timeout: float) -> subprocess.CompletedProcess:
     """``bash -c source`` as a user of this environment runs it: its python and torchrun first on
     PATH, no variables of this test session; on timeout the whole process group is killed."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SMDDP_", "TORCHELASTIC_", "PYTEST_"))
-           and k not in ("RANK", "WORLD_SIZE", "PYTHONPATH")}
-    env.update(OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
-    proc = subprocess.Popen(["bash", "-c", source], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{source} did not finish in {timeout} s:\n{out}\n{err}") from None
-    assert proc.returncode == 0, f"{source}\nexit status {proc.returncode}\n{out}\n{err}"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    run = harness.run_as_user(["bash", "-c", source], cwd=cwd, timeout=timeout, env={"PATH": path})
+    assert run.returncode == 0, f"{source}\nexit status {run.returncode}\n{run.stdout}\n{run.stderr}"
+    return run
 
 
 def _block(document: str, substring: str) -> str:

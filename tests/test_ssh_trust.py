@@ -295,16 +295,22 @@ def _entrypoint_env(tmp_path: Path) -> dict[str, str]:
 
 
 @needs_root
-@needs_keygen
-def test_the_entrypoint_makes_the_trust_before_train(tmp_path):
+def _entrypoint_of_job(tmp_path, hosts_file: str) -> subprocess.CompletedProcess:
+    """The entry point as PID 1 of a job of algo-1 and algo-2 whose names resolve as ``hosts_file``
+    says, root holding the job's key; what it and its `train` printed."""
     _resourceconfig(tmp_path / "opt_ml", ["algo-1", "algo-2"], "algo-1")
     hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1 localhost\n10.9.8.1 algo-1\n10.9.8.2 algo-2\n")
+    hosts.write_text(hosts_file)
     command = _entrypoint_as_pid_1(tmp_path, str(hosts))
     (tmp_path / "root" / ".ssh").mkdir()
     _job_key(tmp_path / "root" / ".ssh")
     (tmp_path / "root" / ".ssh" / "id_ed25519.pub").rename(tmp_path / "root" / ".ssh" / "id_rsa.pub")
-    done = subprocess.run(command, env=_entrypoint_env(tmp_path), capture_output=True, text=True, timeout=DEADLINE_S)
+    return subprocess.run(command, env=_entrypoint_env(tmp_path), capture_output=True, text=True, timeout=DEADLINE_S)
+
+
+@needs_keygen
+def test_the_entrypoint_makes_the_trust_before_train(tmp_path):
+    done = _entrypoint_of_job(tmp_path, "127.0.0.1 localhost\n10.9.8.1 algo-1\n10.9.8.2 algo-2\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith('from="10.9.8.1,10.9.8.2",'), done.stdout
     assert "AllowUsers root@10.9.8.1 root@10.9.8.2" in done.stdout
@@ -314,14 +320,7 @@ def test_the_entrypoint_makes_the_trust_before_train(tmp_path):
 @needs_root
 @needs_keygen
 def test_the_entrypoint_stops_before_train_when_a_host_never_resolves(tmp_path):
-    _resourceconfig(tmp_path / "opt_ml", ["algo-1", "algo-2"], "algo-1")
-    hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1 localhost\n10.9.8.1 algo-1\n")  # algo-2 missing (and DNS knows no algo-2)
-    command = _entrypoint_as_pid_1(tmp_path, str(hosts))
-    (tmp_path / "root" / ".ssh").mkdir()
-    _job_key(tmp_path / "root" / ".ssh")
-    (tmp_path / "root" / ".ssh" / "id_ed25519.pub").rename(tmp_path / "root" / ".ssh" / "id_rsa.pub")
-    done = subprocess.run(command, env=_entrypoint_env(tmp_path), capture_output=True, text=True, timeout=DEADLINE_S)
+    done = _entrypoint_of_job(tmp_path, "127.0.0.1 localhost\n10.9.8.1 algo-1\n")  # no algo-2 (nor in DNS)
     assert done.returncode == 1, done.stderr
     assert done.stdout == "", "train never started"
     assert "cannot limit ssh to the job's hosts" in done.stderr and "algo-2" in done.stderr, done.stderr
