@@ -151,8 +151,9 @@ def _write_failure(reason: str) -> None:
                 f.write(reason)
 
 
-def _make_ssh_trust() -> str | None:
-    """The job's ssh trust, made by the module beside this file; None, or why it failed."""
+def _make_ssh_trust(dns_wait_s: float | None) -> str | None:
+    """The job's ssh trust, made by the module beside this file (its own wait for the job's names
+    where ``dns_wait_s`` is None); None, or why it failed."""
     here = os.path.dirname(os.path.realpath(__file__))
     paths = [os.path.join(here, name) for name in ("smddp_ssh_trust.py", "ssh_trust.py")]
     path = next((p for p in paths if os.path.isfile(p)), None)
@@ -164,7 +165,7 @@ def _make_ssh_trust() -> str | None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     try:
-        made = module.setup()
+        made = module.setup() if dns_wait_s is None else module.setup(dns_wait_s=dns_wait_s)
     except (module.TrustError, OSError) as exc:
         return f"cannot limit ssh to the job's hosts, so `train` does not start: {exc}"
     print(f"entrypoint: ssh: root's key accepted from the job's hosts only ({', '.join(made['addresses'])})",
@@ -184,6 +185,7 @@ def main(argv: list[str]) -> int:
         grace = seconds_setting("SMDDP_STOP_GRACE_S")
         grace = DEFAULT_GRACE_S if grace is None else grace
         done_wait = mpi_done_wait_s(job_hosts()) if argv == ["train"] else None
+        dns_wait = seconds_setting("SSH_TRUST_DNS_WAIT_S")  # the ssh trust's wait for the job's names
     except SettingError as exc:
         print(f"entrypoint: {exc}", file=sys.stderr)
         return 2
@@ -195,7 +197,7 @@ def main(argv: list[str]) -> int:
 
         signal.signal(signal.SIGTERM, stop_now)
         signal.signal(signal.SIGINT, stop_now)
-        problem = _make_ssh_trust()
+        problem = _make_ssh_trust(dns_wait)
         if problem is not None:
             print(f"entrypoint: {problem}", file=sys.stderr, flush=True)
             _write_failure(problem)

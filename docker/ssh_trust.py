@@ -198,21 +198,13 @@ def client_hosts_text(hosts: dict[str, list[str]]) -> str:
 
 
 def setup(config: str | None = None, host_key_dir: str = "/etc/ssh", sshd_config_dir: str = "/etc/ssh/sshd_config.d",
-          ssh_dir: str = "/root/.ssh", public_key: str | None = None, dns_wait_s: float | None = None,
+          ssh_dir: str = "/root/.ssh", public_key: str | None = None, dns_wait_s: float = DEFAULT_DNS_WAIT_S,
           resolve=_addresses) -> dict:
     """Make this container's ssh trust for the job of ``config`` (resourceconfig.json); returns
-    what it made: hosts (name: addresses), addresses, and the files' paths."""
+    what it made: hosts (name: addresses), addresses, and the files' paths. The entry point passes
+    ``dns_wait_s`` from ``SSH_TRUST_DNS_WAIT_S``, read with its other settings."""
     config = config or resourceconfig_path()
     public_key = public_key or os.path.join(ssh_dir, "id_rsa.pub")
-    if dns_wait_s is None:
-        raw = os.environ.get("SSH_TRUST_DNS_WAIT_S", "").strip()
-        try:
-            dns_wait_s = float(raw) if raw else DEFAULT_DNS_WAIT_S
-        except ValueError:
-            dns_wait_s = -1.0
-        if not dns_wait_s >= 0 or dns_wait_s == float("inf"):
-            raise TrustError(f"SSH_TRUST_DNS_WAIT_S={raw!r} is not a number of seconds; expected a number >= 0 "
-                             f"(such as 900): fix it, or unset it for the default")
     hosts, current = read_hosts(config)
     try:
         with open(public_key) as f:
@@ -246,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sshd-config-dir", default="/etc/ssh/sshd_config.d")
     parser.add_argument("--ssh-dir", default="/root/.ssh", help="root's ssh folder")
     parser.add_argument("--public-key", help="the key to trust (default: SSH_DIR/id_rsa.pub)")
-    parser.add_argument("--dns-wait-s", type=float, help="default: $SSH_TRUST_DNS_WAIT_S or 900")
+    parser.add_argument("--dns-wait-s", type=float, default=DEFAULT_DNS_WAIT_S,
+                        help="how long names may take to resolve (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         made = setup(args.config, args.host_key_dir, args.sshd_config_dir, args.ssh_dir, args.public_key,
