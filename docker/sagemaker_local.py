@@ -23,7 +23,10 @@ A case is DISTRIBUTION:WHAT, DISTRIBUTION torch_distributed or smdistributed, WH
 - fail: the last rank raises at its first step; its error is in an /opt/ml/output/failure, and
   every container exits non-zero within 60 s of it;
 - stop-algo-N: SIGTERM to that container mid-training (StopTrainingJob); every container has
-  ended within 30 s, and none is left running.
+  ended within 30 s, and none is left running;
+- stranger (smdistributed only: its runner starts sshd): while the job trains, algo-2 logs in to
+  algo-1 over ssh with root's key, and a third container of the same image on the job's network,
+  which holds the same key, reaches algo-1's port 22 (it reads a host key) and is refused.
 Prints a line per case and a JSON summary at the end; exits 1 if any case failed. Needs a
 Docker engine and the built image (docs/docker.md).
 """
@@ -171,10 +174,45 @@ def stamped(log: str, pattern: str) -> float | None:
     return None
 
 
+def probe_ssh(job: Job) -> dict:
+    """Logs in to algo-1 with root's key (which every container of the image holds) from algo-2,
+    and from a third container of the image on the job's network: the first gets in, the second
+    reaches port 22 and is refused. Strict host key checking is off in the stranger's try so that
+    the refusal shown is sshd's, not the client's."""
+    ssh = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=20", "-o", "StrictHostKeyChecking=no",
+           "-o", "UserKnownHostsFile=/dev/null", "root@algo-1", "hostname"]
+    stranger = f"{job.name}-stranger"
+    outcome: dict = {"problems": []}
+    try:
+        inside = subprocess.run(["docker", "exec", job.containers["algo-2"], *ssh], capture_output=True, text=True,
+                                timeout=60)
+        outcome["from_algo_2"] = {"exit": inside.returncode, "stdout": inside.stdout.strip(),
+                                  "stderr": inside.stderr.strip()[-300:]}
+        if inside.returncode != 0 or inside.stdout.strip() != "algo-1":
+            outcome["problems"].append(f"algo-2 could not log in to algo-1: {outcome['from_algo_2']}")
+        # no resourceconfig.json: the entry point sets up no trust and just runs the command
+        docker("run", "-d", "--name", stranger, "--hostname", "stranger", "--network", job.network, job.image,
+               "sleep", "300")
+        scan = subprocess.run(["docker", "exec", stranger, "ssh-keyscan", "-T", "10", "-t", "ed25519", "algo-1"],
+                              capture_output=True, text=True, timeout=60)
+        outcome["stranger_reads_host_key"] = bool(scan.stdout.strip())
+        if not scan.stdout.strip():
+            outcome["problems"].append(f"the stranger did not reach algo-1's sshd, so its refusal shows nothing: "
+                                       f"{scan.stderr.strip()[-300:]}")
+        refused = subprocess.run(["docker", "exec", stranger, *ssh], capture_output=True, text=True, timeout=60)
+        outcome["from_stranger"] = {"exit": refused.returncode, "stdout": refused.stdout.strip(),
+                                    "stderr": refused.stderr.strip()[-300:]}
+        if refused.returncode != 255 or "Permission denied" not in refused.stderr or refused.stdout:
+            outcome["problems"].append(f"the stranger was not refused by sshd: {outcome['from_stranger']}")
+    finally:
+        docker("rm", "-f", stranger, check=False)
+    return outcome
+
+
 def run_case(case: str, args, data: str) -> dict:
     distribution, what = case.split(":")
     world = args.hosts * args.per_host
-    hyper = {"epochs": 400 if what.startswith("stop-") else args.epochs}
+    hyper = {"epochs": 400 if what.startswith("stop-") or what == "stranger" else args.epochs}
     if what == "fail":
         hyper["fail-on-rank"] = world - 1
     root = tempfile.mkdtemp(prefix="smddp-sagemaker-")
@@ -189,9 +227,12 @@ def run_case(case: str, args, data: str) -> dict:
         target = what[len("stop-"):] if what.startswith("stop-") else None
 
         def stop_when_training() -> float | None:
-            if target and not stop_sent and "epoch 1/" in job.logs("algo-1"):
+            if (target or what == "stranger") and not stop_sent and "epoch 1/" in job.logs("algo-1"):
+                if what == "stranger":  # sshd runs in both while they train; then SageMaker's stop
+                    result["ssh"] = probe_ssh(job)
                 stop_sent.append(time.time())
-                docker("kill", "--signal", "TERM", job.containers[target])
+                for host in [target] if target else job.hosts:
+                    docker("kill", "--signal", "TERM", job.containers[host])
                 return time.monotonic() + 2 * STOP_WITHIN_S  # then the harness stops what is left
             return None
 
@@ -240,6 +281,8 @@ def run_case(case: str, args, data: str) -> dict:
                     problems.append(f"containers ended {result['seconds_after_error']} s after the error, "
                                     f"expected within {FAIL_WITHIN_S:g}")
         else:
+            if what == "stranger" and "ssh" in result:
+                problems.extend(result["ssh"].pop("problems"))
             if not stop_sent:
                 problems.append("the job ended before its first epoch: nothing was stopped")
             else:
@@ -272,11 +315,14 @@ def main() -> int:
     parser.add_argument("--show-logs", action="store_true", help="print a failed case's logs")
     args = parser.parse_args()
     cases = args.cases or [f"{d}:{w}" for d in DISTRIBUTIONS for w in ("train", "fail", "stop-algo-1", "stop-algo-2")]
+    cases = cases if args.cases else cases + ["smdistributed:stranger"]
     for case in cases:
         distribution, _, what = case.partition(":")
-        if distribution not in DISTRIBUTIONS or not re.fullmatch(r"train|fail|stop-algo-\d+", what):
+        if distribution not in DISTRIBUTIONS or not re.fullmatch(r"train|fail|stop-algo-\d+|stranger", what):
             parser.error(f"case {case!r}: expected DISTRIBUTION:WHAT with DISTRIBUTION one of "
-                         f"{', '.join(DISTRIBUTIONS)} and WHAT train, fail or stop-algo-N")
+                         f"{', '.join(DISTRIBUTIONS)} and WHAT train, fail, stop-algo-N or stranger")
+        if what == "stranger" and distribution != "smdistributed":
+            parser.error(f"case {case!r}: only smdistributed's runner starts sshd; use smdistributed:stranger")
     data = tempfile.mkdtemp(prefix="smddp-sagemaker-data-")
     try:
         docker("run", "--rm", "-v", f"{data}:/data", args.image, "python", "-m",
