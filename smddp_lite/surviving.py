@@ -185,6 +185,9 @@ class SurvivingSync:
         self.members: tuple[int, ...] = tuple(range(dist.get_world_size()))
         self.first_rank = dist.get_rank()  # this rank's id for good
         self._heart = _Heartbeat(self._base_store, self.first_rank, self.stale_after_s, self._found_stale)
+        # each member is watched from its first beat: a rank still building its model or loading
+        # its data when the others start watching (seconds apart on a loaded machine) is late, not lost
+        self._heart.wait_for_first_beats(self.members, self._timeout)
         self._heart.watch(self.members)
         self._base_store.set("first_world", str(dist.get_world_size()))
         self._base_store.set("how", f"{self._backend},{self._timeout}")
@@ -526,6 +529,19 @@ class _Heartbeat:
 
     def _key(self, rank: int) -> str:
         return f"beat/{rank}"
+
+    def wait_for_first_beats(self, members: Iterable[int], timeout_s: float) -> None:
+        """Until every one of ``members`` has beaten once, that is, made its SurvivingSync."""
+        members = tuple(members)
+        keys = [self._key(r) for r in members]
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout_s))
+        except dist.DistStoreError as exc:
+            missing = [r for r, key in zip(members, keys) if not self.store.check([key])]
+            raise RuntimeError(
+                f"[smddp rank {self.rank}] SurvivingSync: {_said(tuple(missing))} made no SurvivingSync within "
+                f"the group's timeout ({timeout_s:g} s); every rank must make one, at the same point of its "
+                f"script") from exc
 
     def watch(self, members: Iterable[int]) -> None:
         """Read these ranks' counters from now on (this rank's own excepted); a rank watched

@@ -43,7 +43,8 @@ def wrapped(net: torch.nn.Module, ddp: bool, bucket_view: bool = False) -> torch
 
 
 def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, min_world_size: int = 1,
-          replace: bool = False, step_s: float = 0.0, ddp: bool = False, bucket_view: bool = False) -> dict:
+          replace: bool = False, step_s: float = 0.0, ddp: bool = False, bucket_view: bool = False,
+          late: dict | None = None) -> dict:
     """Train ``steps`` steps; ``faults`` maps a rank (as a string) to (kind, step): "sigkill" (killed
     while it syncs), "exit" (os._exit before its sync), "sigstop" (stopped before its sync and
     killed at the end), "sigstop_resume" (stopped, and let go on once the others went on without
@@ -52,9 +53,12 @@ def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, mi
     With ``replace``, the new rank 0 starts a replacement process after each loss (as a user's
     launcher would), which writes what ``replacement`` returns into ``marks``. ``step_s``: the
     compute each step stands for (a sleep), so that a replacement has steps left to join. With
-    ``ddp`` the model is a DistributedDataParallel (``bucket_view``: gradient_as_bucket_view)."""
+    ``ddp`` the model is a DistributedDataParallel (``bucket_view``: gradient_as_bucket_view).
+    ``late`` maps a rank (as a string) to the seconds it spends before making its SurvivingSync
+    (a model or data set slower to load than the others')."""
     smddp_lite.init(timeout=timedelta(seconds=group_timeout_s))
     rank = dist.get_rank()
+    time.sleep((late or {}).get(str(rank), 0.0))
     net = wrapped(model(), ddp, bucket_view)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     changes, replacements = [], []
