@@ -15,14 +15,20 @@ import smddp_lite
 from .rank_helpers import bytes_sent
 
 
-def link_bytes(op: str, dtype: str, numel: int = 1 << 20, calls: int = 4, redop: str = "sum") -> dict:
-    """``calls`` reduce_scatter_tensor (``op`` "reduce_scatter"), all_gather_into_tensor
-    ("all_gather") or all_reduce ("all_reduce") calls on a message of ``numel`` ``dtype`` elements
-    (the reduce_scatter's input, the all_gather's output), of small integers, exact in every
-    dtype. Returns the bytes this rank's host sent on its link per call, over the message's
-    bytes, and whether every result was exact. ``redop`` "avg": the reductions average (their
-    means are exact too)."""
+def link_bytes(cases: list[dict], numel: int = 1 << 20, calls: int = 4) -> list[dict]:
+    """Each case of ``cases`` in turn, in one group: ``calls`` reduce_scatter_tensor (``op``
+    "reduce_scatter"), all_gather_into_tensor ("all_gather") or all_reduce ("all_reduce") calls on
+    a message of ``numel`` elements of the case's ``dtype`` (the reduce_scatter's input, the
+    all_gather's output), of small integers, exact in every dtype; ``redop`` "avg" averages (the
+    means are exact too). Returns, per case, the bytes this rank's host sent on its link per call,
+    over the message's bytes, and whether every result was exact."""
     smddp_lite.init()
+    reports = [_link_bytes_of(numel=numel, calls=calls, **case) for case in cases]
+    dist.destroy_process_group()
+    return reports
+
+
+def _link_bytes_of(op: str, dtype: str, numel: int, calls: int, redop: str = "sum") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     wanted, block = getattr(torch, dtype), numel // world
     pattern = torch.arange(numel, dtype=torch.int64).remainder_(7)
@@ -31,23 +37,23 @@ def link_bytes(op: str, dtype: str, numel: int = 1 << 20, calls: int = 4, redop:
         want = pattern * world + sum(range(world))
         if redop == "avg":
             want = want / world
-        op = dist.ReduceOp.AVG if redop == "avg" else dist.ReduceOp.SUM
+        reduce_op = dist.ReduceOp.AVG if redop == "avg" else dist.ReduceOp.SUM
 
         def run() -> None:
             out.copy_(inp)
-            dist.all_reduce(out, op=op)
+            dist.all_reduce(out, op=reduce_op)
     elif op == "reduce_scatter":
         inp, out = (pattern + rank).to(wanted), torch.empty(block, dtype=wanted)
         want = pattern[rank * block : (rank + 1) * block] * world + sum(range(world))
         if redop == "avg":
             want = want / world
-        op = dist.ReduceOp.AVG if redop == "avg" else dist.ReduceOp.SUM
-        run = lambda: dist.reduce_scatter_tensor(out, inp, op=op)  # noqa: E731
+        reduce_op = dist.ReduceOp.AVG if redop == "avg" else dist.ReduceOp.SUM
+        run = lambda: dist.reduce_scatter_tensor(out, inp, op=reduce_op)  # noqa: E731
     else:
         inp, out = (pattern[rank * block : (rank + 1) * block]).to(wanted), torch.empty(numel, dtype=wanted)
         want = pattern
         run = lambda: dist.all_gather_into_tensor(out, inp)  # noqa: E731
-    run()  # warm-up: connections made before counting
+    run()  # warm-up: connections (and a new dtype's buffers) made before counting
     exact = bool((out.double() == want.double()).all())
     # The counter is the host's, shared by its ranks: each reading sits between two barriers, so
     # that no rank of the host sends a call's bytes before, or after, another rank reads it.
@@ -61,8 +67,8 @@ def link_bytes(op: str, dtype: str, numel: int = 1 << 20, calls: int = 4, redop:
     dist.barrier()  # every call's bytes have left every host (each peer has received them)
     sent = bytes_sent() - before  # three barriers add a few hundred bytes, acknowledgements under 1%
     dist.barrier()
-    dist.destroy_process_group()
-    return {"sent_per_message_byte": sent / calls / (numel * torch.tensor([], dtype=wanted).element_size()),
+    return {"op": op, "dtype": dtype, "redop": redop,
+            "sent_per_message_byte": sent / calls / (numel * torch.tensor([], dtype=wanted).element_size()),
             "exact": exact}
 
 
