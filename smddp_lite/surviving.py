@@ -19,8 +19,9 @@ averages are kept), send it to them, and everyone goes on from the next step's s
 
 Who is left: each rank checks in under the new generation's keys when its call fails, and a
 thread beats a counter in the store every half second and reads the members' counters four
-times a second; a member whose counter stood still for ``stale_after`` is declared lost at once,
-whatever the group's timeout (``ProcessGroupSMDDP.interrupt``). The survivors wait until every rank of
+times a second (from the member's first beat: making a ``SurvivingSync`` waits until every
+member has made its own); a member whose counter stood still for ``stale_after`` is declared lost
+at once, whatever the group's timeout (``ProcessGroupSMDDP.interrupt``). The survivors wait until every rank of
 the old group has checked in or has a counter that stood still for ``stale_after``; the first
 to decide writes the members with a compare-and-set, and everyone adopts that list. A rank that
 checks in later (it was stopped, or its network came back) finds itself missing and raises
