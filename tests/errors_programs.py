@@ -447,11 +447,14 @@ def settings_differ(settings_of_rank: dict[str, dict[str, str]], numel: int = 1 
     return {"init": init, "call": call, "sum_right": bool((t == dist.get_world_size()).all())}
 
 
-def steps_differ_under_one_call() -> dict:
+def steps_differ_under_one_call(late_rank: int = -1) -> dict:
     """On one host of 2 ranks, under the hierarchical transport, the two ranks' shared-memory
     parts run different steps while naming the same user call (which settings that agree cannot
-    cause: shared_settings.py): the error each raises."""
+    cause: shared_settings.py): the error each raises. ``late_rank`` comes to the call 1 s after
+    the others."""
     smddp_lite.init(timeout=timedelta(seconds=30))
+    if dist.get_rank() == late_rank:
+        time.sleep(1.0)
     from smddp_lite.backend.call import Call
 
     transport = dist.group.WORLD.transport
