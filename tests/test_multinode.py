@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -194,9 +195,7 @@ def _link_case(op: str, dtype: str, wire: str | None) -> tuple[tuple[str, str | 
     return (transport, wire), {"op": name, "dtype": dtype, "redop": redop}
 
 
-_link_bytes_jobs: dict[tuple[str, str | None], list[dict]] = {}  # one job per configuration, per session
-
-
+@functools.lru_cache(maxsize=None)  # one job per configuration, per session
 def _link_bytes_job(transport: str, wire: str | None) -> list[dict]:
     """Every case of LINK_BYTES_CASES that runs with this transport and wire dtype, in one job on
     one simulated cluster of 2 hosts x 2 ranks (a cluster and a torchrun per case cost 10 s each):
@@ -208,8 +207,6 @@ def _link_bytes_job(transport: str, wire: str | None) -> list[dict]:
 
     from . import harness
 
-    if (transport, wire) in _link_bytes_jobs:
-        return _link_bytes_jobs[transport, wire]
     cases = []
     for op, dtype, case_wire, _ in LINK_BYTES_CASES:
         key, case = _link_case(op, dtype, case_wire)
@@ -229,8 +226,7 @@ def _link_bytes_job(transport: str, wire: str | None) -> list[dict]:
         cluster.wait_all(procs, timeout=300)
         reports = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(4)]
     assert all("value" in r for r in reports), [r.get("error") for r in reports]
-    _link_bytes_jobs[transport, wire] = [r["value"] for r in reports]
-    return _link_bytes_jobs[transport, wire]
+    return [r["value"] for r in reports]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
