@@ -34,6 +34,23 @@ _LARGE_ROWS = {1: 1361, 2: 683, 4: 343, 8: 173}
 def shapes(dtype: torch.dtype) -> list[tuple[int, ...]]:
     rows = 1361 if dtype is torch.float32 else _LARGE_ROWS[dtype.itemsize]
     return [(1,), (17,), (257,), (rows, 781)]
+
+
+# Profiles: how much of the matrix a job runs. The arithmetic (dtype x op at every size) is one
+# piece of code every CPU transport shares (backend/numerics.py) or a mapping each transport makes
+# once per dtype and op (gloo's and MPI's own reductions): "full" runs every cell and proves it,
+# on one transport per world size. "bytes" proves that a transport moves bytes: every dtype and op
+# at the small sizes (each dtype's and op's path through it), and the large size, which crosses
+# the transport's steps, pieces and shares, in one dtype per element size and float kind, with the
+# ops that take different paths through those steps (SUM, AVG's one division after the pieces,
+# MAX's comparison) and every way of laying blocks out.
+FULL, BYTES = "full", "bytes"
+_STEP_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.uint8)
+_STEP_REDOPS = ("sum", "avg", "max")
+
+
+def _large(shape: tuple[int, ...]) -> bool:
+    return len(shape) > 1
 REDOPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
           "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
           "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
@@ -503,37 +520,46 @@ def _moving_cases(dtype: torch.dtype, shape: tuple[int, ...], world: int):
                 shape=shape, dtype=dtype, root=root, adjacent=adjacent)
 
 
-def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dict]]:
-    """(group, case id, function, kwargs) in the one order every rank runs them."""
+def cases(world: int, profile: str = FULL) -> Iterator[tuple[str, str, Callable[..., str | None], dict]]:
+    """(group, case id, function, kwargs) in the one order every rank runs them; ``profile``
+    (FULL or BYTES) says which cells of the dtype x op x size matrix run (see FULL above)."""
+    everything = profile == FULL
     for dtype in DTYPES:
         dn = str(dtype).replace("torch.", "")
+        steps = everything or dtype in _STEP_DTYPES  # this dtype crosses steps in every op
         for shape in shapes(dtype):
+            if _large(shape) and not steps:
+                continue
+            every_op = everything or not _large(shape)
             sn = "x".join(map(str, shape))
             for redop in REDOPS:
-                if applicable(redop, dtype):
+                if applicable(redop, dtype) and (every_op or redop in _STEP_REDOPS):
                     yield "all_reduce", f"{redop}-{dn}-{sn}", case_all_reduce, dict(shape=shape, dtype=dtype, redop=redop)
             for root in sorted({0, world - 1}):
                 yield "reduce", f"root{root}-{dn}-{sn}", case_reduce, dict(shape=shape, dtype=dtype, redop="sum", root=root)
             for form in ("list", "tensor", "in_place"):
                 # every op once (each transport reduces blocks its own way), the common ones in every form
                 for redop in REDOPS if form == "tensor" else ("sum", "max", "avg"):
-                    if applicable(redop, dtype):
+                    if applicable(redop, dtype) and (every_op or redop in _STEP_REDOPS):
                         yield "reduce_scatter", f"{form}-{redop}-{dn}-{sn}", case_reduce_scatter, dict(
                             shape=shape, dtype=dtype, redop=redop, form=form)
             yield from _moving_cases(dtype, shape, world)
         # small blocks, and blocks of up to 3 x 3000 rows of 33 (1 MiB of float32: several shm steps)
-        for scale, width in ((1, 5), (3000, 33)):
+        for scale, width in ((1, 5), (3000, 33)) if steps else ((1, 5),):
             for form in ("single", "list"):
                 yield "all_to_all_uneven", f"{form}-{dn}-{scale}x{width}", case_all_to_all_uneven, dict(
                     dtype=dtype, form=form, scale=scale, width=width)
         yield "all_reduce", f"async-sum-{dn}", case_all_reduce, dict(shape=(257,), dtype=dtype, redop="sum", async_op=True)
-        yield "all_reduce", f"non_contiguous-{dn}", case_all_reduce, dict(
-            shape=(1823, 781), dtype=dtype, redop="max", non_contiguous=True)
+        if everything or dtype in (torch.float32, torch.uint8):  # a copy to and from column-major: any dtype's bytes
+            yield "all_reduce", f"non_contiguous-{dn}", case_all_reduce, dict(
+                shape=(1823, 781), dtype=dtype, redop="max", non_contiguous=True)
     for op in ("all_reduce_sum", "all_reduce_avg", "broadcast", "all_gather"):
         yield "autograd", f"leaf-{op}", case_autograd_leaf, dict(op=op)
     for dtype in MOVED_DTYPES:
         dn = str(dtype).replace("torch.", "")
-        for shape in ((17,), (1823, 781)):  # the larger crosses shm's steps (1 MiB) in every op
+        # the larger crosses shm's steps (1 MiB) in every op; carried as bytes, these move as
+        # uint8 does once viewed, which the small size proves
+        for shape in ((17,), (1823, 781)) if everything else ((17,),):
             yield from _moving_cases(dtype, shape, world)
         yield "all_to_all_uneven", f"single-{dn}-3000x33", case_all_to_all_uneven, dict(
             dtype=dtype, form="single", scale=3000, width=33)
@@ -572,8 +598,8 @@ def cases(world: int) -> Iterator[tuple[str, str, Callable[..., str | None], dic
     yield "subgroup", "odd_even", case_subgroup, {}
 
 
-def run(backend: str = "smddp", device: str = "cpu") -> dict[str, str]:
-    """Worker entry: initialise, run every case on ``device`` tensors, report per case id."""
+def run(backend: str = "smddp", device: str = "cpu", profile: str = FULL) -> dict[str, str]:
+    """Worker entry: initialise, run the profile's cases on ``device`` tensors, report per case id."""
     import smddp_lite
 
     global DEVICE
@@ -582,15 +608,16 @@ def run(backend: str = "smddp", device: str = "cpu") -> dict[str, str]:
         torch.cuda.set_device(0)
         DEVICE = torch.device("cuda", 0)
     smddp_lite.init(backend=backend)
-    report = run_cases(dist.get_rank(), dist.get_world_size())
+    report = run_cases(dist.get_rank(), dist.get_world_size(), profile)
     dist.destroy_process_group()
     return report
 
 
-def run_cases(rank: int, world: int) -> dict[str, str]:
-    """Every case on the default group this rank (or thread) has made: "ok", "FAIL: ..." or "raised: ..."."""
+def run_cases(rank: int, world: int, profile: str = FULL) -> dict[str, str]:
+    """The profile's cases on the default group this rank (or thread) has made: "ok", "FAIL: ..."
+    or "raised: ..."."""
     report = {}
-    for group, case_id, fn, kwargs in cases(world):
+    for group, case_id, fn, kwargs in cases(world, profile):
         key = f"{group}/{case_id}"
         try:
             problem = fn(rank=rank, world=world, **kwargs)

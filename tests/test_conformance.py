@@ -1,7 +1,9 @@
 """Runs the conformance suite (conformance.py) on every transport at world sizes 1, 2 and 3.
 
-One job per (transport, world size) runs every case; each test below checks one op group of it
-on every rank. torch's own gloo backend runs the same suite as the reference: there, an op it
+One job per (transport, world size) runs the suite; each test below checks one op group of it
+on every rank. The arithmetic's every cell (dtype x op x size) runs on shm and on torch's gloo at
+world size 2; every other job runs the cells that prove its transport moves bytes (see
+conformance.FULL). torch's own gloo backend runs the same suite as the reference: there, an op it
 does not implement is reported as unsupported rather than failed. On a machine with a GPU the
 suite also runs on CUDA tensors: over NCCL at world size 1 (NCCL refuses two ranks on one GPU)
 and staged through host memory at world sizes 1 to 3, all ranks sharing the one GPU.
@@ -61,6 +63,10 @@ REFERENCE_GETS_WRONG = {
 
 # the quick tier's jobs (tests/tiers.py): each CPU transport of its own at 2 ranks
 QUICK_JOBS = {("shm", 2), ("gloo", 2), ("mpi", 2)}
+# the jobs that run every cell of the matrix (conformance.FULL): the arithmetic the CPU transports
+# share, once on smddp and once on torch's gloo (the suite's own reference); and NCCL, whose
+# arithmetic is its own. The others prove that they move bytes (conformance.BYTES).
+FULL_MATRIX_JOBS = {("shm", 2), ("torch-gloo-reference", 2), ("nccl", 1), ("staged-cuda", 1)}
 
 
 def _marks(name: str, world: int, launcher: str) -> list:
@@ -84,15 +90,17 @@ PARAMS = [
 @functools.lru_cache(maxsize=None)
 def _job(name: str, world: int, backend: str, env_items: tuple, launcher: str):
     env = dict(env_items)
+    profile = conformance.FULL if (name, world) in FULL_MATRIX_JOBS else conformance.BYTES
     if launcher == "mpi":
-        results = harness.launch_mpi("tests.conformance:run", world, env=env, backend=backend, timeout=600)
+        results = harness.launch_mpi("tests.conformance:run", world, env=env, backend=backend, profile=profile,
+                                     timeout=600)
     else:  # hierarchical runs see hosts of 2 ranks, all on this machine
         layouts = {"hier-interleaved": {"interleaved_hosts": 2}, "hier-one-per-host": {"hosts_of": 1},
                    "hier-one-per-host-wire-sums": {"hosts_of": 1}}
         layout = layouts.get(name, {"hosts_of": 2} if name.startswith("hier") else {})
         device = "cuda" if name in ON_CUDA else "cpu"
         results = harness.launch("tests.conformance:run", world, env=env, backend=backend, device=device,
-                                 timeout=600, **layout)
+                                 profile=profile, timeout=600, **layout)
     return harness.values(results)
 
 
