@@ -341,17 +341,14 @@ def state_dict_on_one_rank(wait_s: float = 2.0) -> dict:
     with a sharded step: rank 0's call must say what is wrong instead of waiting forever."""
     import smddp_lite.compiler.sharding as sharding
 
-    kept, sharding.ARRIVAL_WAIT_S = sharding.ARRIVAL_WAIT_S, wait_s  # a pooled rank runs other programs later
-    try:
-        _, _, opt = _sharded_after_one_step()
-        error = None
-        if dist.get_rank() == 0:
-            try:
-                opt.state_dict()
-            except RuntimeError as exc:
-                error = str(exc)
-        dist.barrier()
-        dist.destroy_process_group()
-    finally:
-        sharding.ARRIVAL_WAIT_S = kept
+    sharding.ARRIVAL_WAIT_S = wait_s  # this rank's process runs this one program, then exits
+    _, _, opt = _sharded_after_one_step()
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            opt.state_dict()
+        except RuntimeError as exc:
+            error = str(exc)
+    dist.barrier()
+    dist.destroy_process_group()
     return {"error": error}
