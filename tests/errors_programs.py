@@ -133,32 +133,34 @@ def slow_rank_matching_calls(slow_s: float = 1.4) -> dict:
     """The last rank makes each call ``slow_s`` after its peers, so they wait in it long enough to
     compare signatures through the store; the calls match, so every one must complete, with the
     right values. A call of two dtypes runs two steps; an uneven all_to_all gathers its sizes
-    first."""
+    first. ``waits`` is how long this rank spent in each call: the others' must pass the point
+    (``MISMATCH_LOOK_AFTER_S``) where a waiting rank starts to compare."""
     smddp_lite.init(timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     slow = rank == world - 1
+    waits = []
 
-    def arrive() -> None:
+    def timed(call) -> None:
         if slow:
             time.sleep(slow_s)
+        start = time.monotonic()
+        call()
+        waits.append(time.monotonic() - start)
 
-    start = time.monotonic()
-    arrive()
+    dist.barrier()  # the ranks leave init at their own times; the slow rank's lead counts from here
     two_dtypes = [torch.full((3,), float(rank)), torch.full((2,), float(rank), dtype=torch.float64)]
     # the process group's own method takes a list of tensors (torch's dist.all_reduce takes one)
-    dist.distributed_c10d._get_default_group().allreduce(two_dtypes).wait()
-    arrive()
+    timed(lambda: dist.distributed_c10d._get_default_group().allreduce(two_dtypes).wait())
     rooted = torch.full((4,), float(rank))
-    dist.broadcast(rooted, src=world - 1)
-    arrive()
+    timed(lambda: dist.broadcast(rooted, src=world - 1))
     # rank p sends p + 1 elements to every rank
     received = torch.empty(sum(p + 1 for p in range(world)))
-    dist.all_to_all_single(received, torch.full(((rank + 1) * world,), float(rank)),
-                           output_split_sizes=[p + 1 for p in range(world)], input_split_sizes=[rank + 1] * world)
-    arrive()
-    dist.barrier()
+    timed(lambda: dist.all_to_all_single(received, torch.full(((rank + 1) * world,), float(rank)),
+                                         output_split_sizes=[p + 1 for p in range(world)],
+                                         input_split_sizes=[rank + 1] * world))
+    timed(dist.barrier)
     report = {"sums": [t.tolist() for t in two_dtypes], "broadcast": rooted.tolist(), "received": received.tolist(),
-              "seconds": time.monotonic() - start}
+              "waits": waits}
     dist.destroy_process_group()
     return report
 
