@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from . import before_exit
+
 VERSION = "2.10"  # the dump format torch 2.13 writes and fr_trace parses
 _SIGNAL_KEY = "fr/dump"
 _POLL_S = 0.5
@@ -387,6 +389,7 @@ class GroupRecorder:
         if settings.dump_on_failure and store is not None and group.size() > 1:
             self._watcher = threading.Thread(target=self._watch, name="smddp-fr-watch", daemon=True)
             self._watcher.start()
+            before_exit.stop_at_exit(self.close)
 
     name = property(lambda self: self._group.group_name or "0")
     desc = property(lambda self: self._group.group_desc or "undefined")

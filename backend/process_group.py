@@ -11,17 +11,15 @@ else through host memory and the CPU path.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
-import time
 from datetime import timedelta
 from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from . import flight_recorder, numerics, ops
+from . import before_exit, flight_recorder, numerics, ops
 from .algorithms import Collectives
 from .call import Call
 from .compile_boundary import hide_backend_from_dynamo
@@ -72,21 +70,6 @@ def _route_by_device(op: str, fast: str | None, method):
     return route
 
 
-_GLOO_SETTLE_S = 0.05
-
-
-@functools.lru_cache(maxsize=None)  # once per process
-def _let_gloo_settle_at_exit() -> None:
-    """A gloo group's worker thread frees each finished call's tensors just after the caller's
-    wait returns, and freeing a tensor Python knows takes the GIL: a job that exits at once (its
-    last gloo call, then destroy_process_group) ended the interpreter under that thread, which
-    aborted the process ("terminate called without an active exception", 5 of 12 runs with a
-    gloo subgroup beside an smddp default group, 0 of 12 with this) and torchrun reported the
-    job failed. Gloo groups come with smddp groups (send/recv links, the gloo and hierarchical
-    transports) and beside them; a moment at exit, GIL released, lets those threads finish."""
-    atexit.register(time.sleep, _GLOO_SETTLE_S)
-
-
 class ProcessGroupSMDDP(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on smddp-lite's transports."""
 
@@ -95,7 +78,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         super().__init__(rank, world_size)
         from smddp_lite.config import backend_config
 
-        _let_gloo_settle_at_exit()
+        before_exit.gloo_used()  # gloo groups come with smddp groups (send/recv links, transports) and beside them
 
         self.config = config or backend_config()
         self.timeout = timeout

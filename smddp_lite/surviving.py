@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from .backend import before_exit
 from .backend.errors import CollectiveMismatchError, SMDDPError
 from .sampling import ElasticSampler
 from .surviving_ddp import DDPBuckets, refuse_wrappers_that_cannot_survive
@@ -527,6 +528,7 @@ class _Heartbeat:
         self._all_beating = False  # every watched member's key exists (then one multi_get reads them)
         self._thread = threading.Thread(target=self._beat, name="smddp-heartbeat", daemon=True)
         self._thread.start()
+        before_exit.stop_at_exit(self.stop)
 
     def _key(self, rank: int) -> str:
         return f"beat/{rank}"
@@ -598,7 +600,10 @@ class _Heartbeat:
             self.on_stale(tuple(stale), stood)
 
     def stop(self) -> None:
+        """End the thread and wait for its last store request (backend/before_exit.py)."""
         self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2 * _LOOK_S + 1)
 
 
 def _root_store(store: dist.Store) -> dist.Store:

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from .. import before_exit
 from ..errors import PeerFailureError
 from .work import CudaWork
 
@@ -78,6 +79,7 @@ class Watchdog:
         self._capture_mode_set = False  # done once, by the thread that queries events
         self._thread = threading.Thread(target=self._loop, name=f"smddp-watchdog-{name}", daemon=True)
         self._thread.start()
+        before_exit.stop_at_exit(self.stop)
 
     def track(self, work: CudaWork) -> None:
         with self._lock:
