@@ -21,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from smddp_lite.backend.transports import shm_segment
 from smddp_lite.launch import open_store
 
 from .rank_pool import POOL
@@ -36,6 +37,24 @@ class RankResult:
     value: Any  # what the function returned, or None
     error: str | None  # the exception the function raised, formatted
     output: str  # stdout + stderr, for failure messages
+    pid: int | None = None  # the rank's process, where it started (tests/worker.py marks it)
+
+
+def _outcome(result_dir: Path, rank: int) -> tuple[dict, int | None]:
+    """What rank ``rank`` wrote: its result (empty where it wrote none) and its pid."""
+    result, marked = result_dir / f"rank{rank}.json", result_dir / f"rank{rank}.pid"
+    pid = marked.read_text().strip() if marked.exists() else ""
+    return json.loads(result.read_text()) if result.exists() else {}, int(pid) if pid.isdigit() else None
+
+
+def segments_left_by(results: list[RankResult]) -> list[str]:
+    """The shared-memory segments in /dev/shm that these ranks made and that are still there. A
+    segment's name holds the pid of the rank that made it; other jobs on the machine (a test
+    running beside this one) hold segments of their own meanwhile, which a count would take for
+    a leak. A rank with no pid never reached its program, so made none."""
+    pids = {r.pid for r in results if r.pid is not None}
+    return [p.name for p in Path("/dev/shm").glob("smddp-*")
+            if (named := shm_segment.SEGMENT_NAME.fullmatch(p.name)) and int(named.group(2)) in pids]
 
 
 def _base_env(extra: dict[str, str] | None) -> dict[str, str]:
@@ -59,9 +78,8 @@ def _collect(procs, result_dir: Path, timeout: float) -> list[RankResult]:
                 p.kill()
             out, _ = proc.communicate()
             out = (out or "") + f"\n[harness] rank {rank} killed after {timeout} s"
-        path = result_dir / f"rank{rank}.json"
-        data = json.loads(path.read_text()) if path.exists() else {}
-        results.append(RankResult(rank, proc.returncode, data.get("value"), data.get("error"), out or ""))
+        data, pid = _outcome(result_dir, rank)
+        results.append(RankResult(rank, proc.returncode, data.get("value"), data.get("error"), out or "", pid))
     return results
 
 
@@ -95,11 +113,11 @@ def launch(target: str, world_size: int, *, env: dict[str, str] | None = None, t
             outcomes = POOL.run(target, kwargs, rank_envs, _base_env(None), ROOT, Path(tmp), timeout)
             results = []
             for rank, (returncode, output, note) in enumerate(outcomes):
-                path = Path(tmp) / f"rank{rank}.json"
-                data = json.loads(path.read_text()) if path.exists() and note is None else {}
+                data, pid = _outcome(Path(tmp), rank)
+                data = data if note is None else {}
                 output = output + ("\n" + note if note else "")
                 results.append(RankResult(rank, -9 if returncode is None else returncode, data.get("value"),
-                                          data.get("error"), output))
+                                          data.get("error"), output, pid))
         else:
             procs = [subprocess.Popen([sys.executable, str(WORKER), target, json.dumps(kwargs), tmp],
                                       env=_base_env(rank_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -172,9 +190,24 @@ def launch_mpi(target: str, world_size: int, *, env: dict[str, str] | None = Non
         return _run_mpi(target, world_size, env, timeout, prefix, launcher_flags, kwargs)
     finally:
         # MPICH removes its shared-memory segment in MPI_Finalize; a job whose ranks died or were
-        # killed (the failure tests) leaves it behind, 2-3 MB each time
+        # killed (the failure tests) leaves it behind, 2-3 MB each time. A new one that a live
+        # process maps belongs to another job running beside this one
+        mapped = _mapped_shm_files()
         for left in set(Path("/dev/shm").glob("mpich_shm_*")) - mpich_segments:
-            left.unlink(missing_ok=True)
+            if str(left) not in mapped:
+                left.unlink(missing_ok=True)
+
+
+def _mapped_shm_files() -> set[str]:
+    """The files in /dev/shm that some live process maps (from every /proc/<pid>/maps)."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            lines = maps.read_text().splitlines()
+        except OSError:  # the process ended meanwhile
+            continue
+        mapped.update(line.split(None, 5)[5].removesuffix(" (deleted)") for line in lines if " /dev/shm/" in line)
+    return mapped
 
 
 def _run_mpi(target: str, world_size: int, env: dict[str, str] | None, timeout: float, prefix: list[str] | None,
@@ -190,9 +223,9 @@ def _run_mpi(target: str, world_size: int, env: dict[str, str] | None, timeout: 
         (result,) = _collect([proc], Path(tmp), timeout)
         results = []
         for rank in range(world_size):
-            path = Path(tmp) / f"rank{rank}.json"
-            data = json.loads(path.read_text()) if path.exists() else {}
-            results.append(RankResult(rank, result.returncode, data.get("value"), data.get("error"), result.output))
+            data, pid = _outcome(Path(tmp), rank)
+            results.append(RankResult(rank, result.returncode, data.get("value"), data.get("error"), result.output,
+                                      pid))
     return results
 
 

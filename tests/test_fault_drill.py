@@ -53,7 +53,7 @@ SAYS = {
 # faults whose survivors must also name rank 1: a stopped rank too, though each survivor may wait
 # for another (the hierarchical transport's host-mates wait for each other, not for rank 1)
 NAMES_RANK_1 = {"sigkill_in_call", "sigstop", "exception"}
-SUMMARY: list[str] = []  # one line per cell, printed by conftest.py's terminal summary
+SUMMARY_PROPERTY = "fault drill"  # one line per cell, which conftest.py prints in the terminal summary
 # hydra (MPICH's mpiexec) kills every rank of a job, -disable-auto-cleanup or not, once one is
 # killed by a signal: there the job ends within the bound, and no survivor is left to raise
 LAUNCHER_ENDS_THE_JOB = {("mpi", "sigkill_in_call")}
@@ -174,9 +174,8 @@ def _cells():
 
 
 @pytest.mark.parametrize("transport, fault", list(_cells()))
-def test_fault_drill(transport, fault, tmp_path):
+def test_fault_drill(transport, fault, tmp_path, record_property):
     launcher, world, env, layout = TRANSPORTS[transport]
-    before = set(Path("/dev/shm").glob("smddp-*"))
     limit = _bound(fault) + 10  # the harness kills what is left then: a survivor that hangs reports nothing
     started = time.monotonic()
     if launcher == "mpi":
@@ -190,17 +189,17 @@ def test_fault_drill(transport, fault, tmp_path):
     ended_by_launcher = (transport, fault) in LAUNCHER_MAY_END_THE_JOB and all(
         r.value is None and r.returncode in (9, -9) for r in results)
     if (transport, fault) in LAUNCHER_ENDS_THE_JOB or ended_by_launcher:
-        SUMMARY.append(f"{transport:<12} {fault:<16} the launcher ended the job after {took:5.2f} s")
+        record_property(SUMMARY_PROPERTY, f"{transport:<12} {fault:<16} the launcher ended the job after {took:5.2f} s")
         assert all(r.returncode in (9, -9) for r in results), [(r.rank, r.returncode) for r in results]
         assert took < _bound(fault) + 5, took  # 5 s for mpiexec to start and end
-        assert set(Path("/dev/shm").glob("smddp-*")) <= before, "a segment was left in /dev/shm"
+        assert harness.segments_left_by(results) == [], "a segment was left in /dev/shm"
         return
     survivors = [r for r in results if r.rank != 1 or fault == "mismatch"]  # a mismatch harms nobody
     errors = [r.value for r in survivors]
     slowest = max((e["after_fault_s"] for e in errors if e), default=float("nan"))
-    SUMMARY.append(f"{transport:<12} {fault:<16} {'raised' if all(e and e['type'] for e in errors) else 'FAILED':<7}"
-                   f" slowest survivor {slowest:5.2f} s after the fault (bound {_bound(fault):.0f} s): "
-                   f"{(errors[0] or {}).get('type')}")
+    outcome = "raised" if all(e and e["type"] for e in errors) else "FAILED"
+    record_property(SUMMARY_PROPERTY, f"{transport:<12} {fault:<16} {outcome:<7} slowest survivor {slowest:5.2f} s "
+                                      f"after the fault (bound {_bound(fault):.0f} s): {(errors[0] or {}).get('type')}")
     for survivor, error in zip(survivors, errors):
         assert error is not None and error["type"], (survivor.rank, survivor.error, survivor.output[-3000:])
         # under mpiexec every rank's code is mpiexec's, which reports a rank killed by a signal:
@@ -212,4 +211,4 @@ def test_fault_drill(transport, fault, tmp_path):
         assert error["after_fault_s"] < _bound(fault), (survivor.rank, error)
         assert any(said.lower() in error["message"].lower() for said in SAYS[fault]), (survivor.rank, error)
         assert fault not in NAMES_RANK_1 or "rank 1 " in error["message"], (survivor.rank, error)
-    assert set(Path("/dev/shm").glob("smddp-*")) <= before, "a segment was left in /dev/shm"
+    assert harness.segments_left_by(results) == [], "a segment was left in /dev/shm"

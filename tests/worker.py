@@ -81,16 +81,25 @@ def _leave(rank: int, result: dict, result_dir: Path) -> None:
     os._exit(0)
 
 
+def _mark_pid(rank: int, result_dir: Path) -> None:
+    """RESULT_DIR/rank<R>.pid, before the program runs: what a test knows of a rank that is then
+    killed (the segments it made carry this pid in their names)."""
+    (result_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
+
+
 def main() -> None:
-    target, kwargs, result_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
-    _leave(_rank(), run(target, kwargs), result_dir)
+    target, kwargs, result_dir, rank = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3]), _rank()
+    _mark_pid(rank, result_dir)
+    _leave(rank, run(target, kwargs), result_dir)
 
 
 def _run_one_job() -> None:
     """In a rank forked from the zygote: the job on standard input, in its own environment."""
     job = json.loads(sys.stdin.readline())
     os.environ.update(job["env"])
-    _leave(int(job["env"]["TEST_RANK"]), run(job["target"], job["kwargs"]), Path(job["result_dir"]))
+    rank, result_dir = int(job["env"]["TEST_RANK"]), Path(job["result_dir"])
+    _mark_pid(rank, result_dir)
+    _leave(rank, run(job["target"], job["kwargs"]), result_dir)
 
 
 def _import_what_ranks_share() -> None:

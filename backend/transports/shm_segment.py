@@ -355,7 +355,7 @@ def _reserve(fd: int, path: str, size: int, rank: int, world_size: int, store) -
 SHM_DIR = "/dev/shm"
 # rank 0's pid namespace (the inode number of /proc/self/ns/pid, 0 where unknown), its pid there,
 # and 48 random bits: a later job can tell from the name alone whether its maker is gone
-_SEGMENT_NAME = re.compile(r"smddp-([0-9]{1,20})-([0-9]{1,10})-[0-9a-f]{12}")
+SEGMENT_NAME = re.compile(r"smddp-([0-9]{1,20})-([0-9]{1,10})-[0-9a-f]{12}")
 SEGMENT_NAME_SHOWN = "smddp-<pid namespace>-<pid>-<12 hex digits>"
 _REFUSED_KEY = "shm/refused"
 
@@ -370,7 +370,7 @@ def _pid_namespace() -> int:
 
 
 def _segment_name() -> str:
-    """A fresh name that ``_SEGMENT_NAME`` accepts."""
+    """A fresh name that ``SEGMENT_NAME`` accepts."""
     return f"smddp-{_pid_namespace()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
@@ -394,7 +394,7 @@ def remove_stale_segments() -> list[str]:
     except OSError:
         return []
     for entry in entries:
-        match = _SEGMENT_NAME.fullmatch(entry.name)
+        match = SEGMENT_NAME.fullmatch(entry.name)
         if match is None or int(match[1]) != namespace or alive(int(match[2])):
             continue
         try:
@@ -486,12 +486,12 @@ def _open_published(path: str, size: int) -> int:
     """Open, read-write, the segment rank 0 published as ``path``, refusing anything else.
 
     Anyone who can reach the rendezvous store can write this value, so it is trusted only as far
-    as it names a segment this transport could have made: a name of ``_SEGMENT_NAME``'s pattern
+    as it names a segment this transport could have made: a name of ``SEGMENT_NAME``'s pattern
     directly in /dev/shm, not a link (O_NOFOLLOW), a regular file with one link, owned by this
     user, mode 0600, exactly ``size`` bytes. Nothing outside such files is ever opened for
     writing, so a store value cannot make a rank write into another file."""
     directory, name = os.path.split(path)
-    if directory != SHM_DIR or not _SEGMENT_NAME.fullmatch(name):
+    if directory != SHM_DIR or not SEGMENT_NAME.fullmatch(name):
         raise SegmentRefusedError(
             f"refused the shared-memory segment path {path!r} from the rendezvous store: expected "
             f"{SHM_DIR}/{SEGMENT_NAME_SHOWN}, as rank 0 makes it. Something other than this "
