@@ -18,6 +18,27 @@ def pytest_addoption(parser):
                           "without it, the quick tier: every test file at its smallest size (tests/tiers.py)")
 
 
+# The whole suite (no path on the command line) runs its files side by side in this many worker
+# processes (pytest-xdist), each file whole in one worker. Many tests wait on the wall clock
+# (heartbeats, timeouts, a replacement's start), and two at a time keep 2 cores busy where one
+# test leaves them idle. A run of chosen files stays in this process, which starts faster;
+# -n N chooses a count either way, and -n 0 none.
+WORKERS = 2
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """``WORKERS`` workers for the whole suite where the command line chose none, before
+    pytest-xdist reads the choice."""
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    if (whole_suite and config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
+            and config.option.numprocesses is None and not config.option.collectonly
+            and not config.getoption("usepdb") and (os.cpu_count() or 1) >= WORKERS):
+        config.option.numprocesses = WORKERS
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
+
+
 def pytest_configure(config):
     tiers.configure(config.getoption("--full"))
 
@@ -47,12 +68,22 @@ def _no_deprecated_api_in_our_code():
         yield
 
 
+_DRILL_LINES: list[tuple[str, str]] = []  # the fault drill's (test id, line), one per cell that ran
+
+
+def pytest_runtest_logreport(report):
+    """Collects the fault drill's lines from each cell's report, which reaches this process from
+    a worker too (pytest-xdist) with the properties its test recorded."""
+    if report.when == "call" and report.user_properties:
+        from tests.test_fault_drill import SUMMARY_PROPERTY
+
+        _DRILL_LINES.extend((report.nodeid, value) for name, value in report.user_properties
+                            if name == SUMMARY_PROPERTY)
+
+
 def pytest_terminal_summary(terminalreporter):
     """The fault drill's one line per cell (tests/test_fault_drill.py), where it ran."""
-    import sys
-
-    drill = sys.modules.get("tests.test_fault_drill")
-    if drill is not None and drill.SUMMARY:
+    if _DRILL_LINES:
         terminalreporter.section("fault drill")
-        for line in drill.SUMMARY:
+        for _, line in sorted(_DRILL_LINES):
             terminalreporter.write_line(line)
