@@ -26,6 +26,27 @@ def pytest_addoption(parser):
 WORKERS = 2
 
 
+# The files that build simulated hosts (network namespaces, rate-limited links): one worker runs
+# them one after another. A lab test may look for namespaces left behind, and its bounds were
+# set with the lab's ranks alone on the cores.
+LAB_FILES = {"tests/test_compiled_ddp.py", "tests/test_multinode.py", "tests/test_sagemaker.py",
+             "tests/test_ssh_trust.py", "tests/test_survival_drill.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole files to workers as ``--dist loadfile`` does, with the ``LAB_FILES`` as one unit."""
+    if config.option.dist != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesWithTheLabAsOne(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "the lab" if file in LAB_FILES else file
+
+    return FilesWithTheLabAsOne(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """``WORKERS`` workers for the whole suite where the command line chose none, before

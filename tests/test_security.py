@@ -132,11 +132,17 @@ def test_a_missing_segment_says_so():
     assert "does not exist" in str(_rank1_opens(str(_shm_name())))
 
 
+def _segments_of_this_process() -> set[Path]:
+    """The segments this process made (their names hold its pid): other tests on the machine may
+    make and remove segments of their own meanwhile."""
+    return set(Path(shm_segment.SHM_DIR).glob(f"smddp-*-{os.getpid()}-*"))
+
+
 def test_rank_0_stops_waiting_when_a_rank_refuses_and_leaves_nothing_in_dev_shm():
     """Rank 0 raises the refusal at once (not at the group timeout), and ranks that did map the
     segment see it broken with the same reason."""
     store = dist.HashStore()
-    before = set(Path(shm_segment.SHM_DIR).glob("smddp-*"))
+    before = _segments_of_this_process()
     raised: list[BaseException] = []
 
     def rank0():
@@ -155,7 +161,7 @@ def test_rank_0_stops_waiting_when_a_rank_refuses_and_leaves_nothing_in_dev_shm(
     assert not thread.is_alive() and time.monotonic() - start < 10
     (error,) = raised
     assert isinstance(error, SegmentRefusedError) and "/etc/passwd" in str(error)
-    assert set(Path(shm_segment.SHM_DIR).glob("smddp-*")) == before
+    assert _segments_of_this_process() == before
     control = np.frombuffer(mm, dtype=np.int64, count=3 * shm_segment.CONTROL_WORDS).reshape(3, -1)
     assert control[0, shm_segment.BROKEN] == 1  # so rank 2's barrier raises rank 0's reason
     reason_at = shm_segment._align(3 * shm_segment.CONTROL_WORDS * 8)
@@ -166,10 +172,10 @@ def test_rank_0_stops_waiting_when_a_rank_refuses_and_leaves_nothing_in_dev_shm(
 
 def test_rank_0_removes_the_segment_when_a_rank_never_maps_it():
     store = dist.HashStore()
-    before = set(Path(shm_segment.SHM_DIR).glob("smddp-*"))
+    before = _segments_of_this_process()
     with pytest.raises(PeerFailureError, match="rank 1 did not map the shared-memory segment within 1 s"):
         ShmSegment(store, 0, 2, CHUNK, timedelta(seconds=1))
-    assert set(Path(shm_segment.SHM_DIR).glob("smddp-*")) == before
+    assert _segments_of_this_process() == before
 
 
 def test_the_store_the_mpi_rendezvous_opens_listens_on_the_job_address_only():

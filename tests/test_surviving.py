@@ -104,7 +104,6 @@ def test_a_ddp_model_with_gradients_as_bucket_views_goes_on(tmp_path):
 
 def _lose_a_rank_and_check(transport: str, kind: str, tmp_path: Path, **kwargs) -> None:
     victim = VICTIM[transport]
-    before = set(Path("/dev/shm").glob("smddp-*"))
     world = TRANSPORTS[transport][0]
     results = _run(transport, {str(victim): [kind, FAULT_STEP]}, tmp_path, **kwargs)
     survivors = [r for r in results if r.rank != victim]
@@ -126,7 +125,7 @@ def _lose_a_rank_and_check(transport: str, kind: str, tmp_path: Path, **kwargs) 
         assert (change["lost"], change["members"], change["world_size"]) == ([victim], members, world - 1)
         assert change["rank"] == members.index(v["first_rank"])
         assert change["at"] - fault_at < RESUME_BOUND_S, f"resumed {change['at'] - fault_at:.2f} s after the fault"
-    assert set(Path("/dev/shm").glob("smddp-*")) <= before, "a segment was left in /dev/shm"
+    assert harness.segments_left_by(results) == [], "a segment was left in /dev/shm"
 
 
 @tiers.FULL_ONLY
@@ -173,7 +172,6 @@ REPLACE_STEPS, STEP_S = 60, 0.25
 @pytest.mark.parametrize("ddp", [False, True], ids=["module", "ddp"])
 @pytest.mark.parametrize("transport", ["shm", "hierarchical"])
 def test_a_replacement_joins_and_the_group_grows_back(transport, ddp, tmp_path):
-    before = set(Path("/dev/shm").glob("smddp-*"))
     world = TRANSPORTS[transport][0]
     results = _run(transport, {"1": ["sigkill", FAULT_STEP]}, tmp_path, steps=REPLACE_STEPS, replace=True,
                    step_s=STEP_S, ddp=ddp)
@@ -197,7 +195,7 @@ def test_a_replacement_joins_and_the_group_grows_back(transport, ddp, tmp_path):
     assert any(checksums == pytest.approx(ref, rel=1e-6) for ref in references), (checksums, references)
     started = float((tmp_path / "replacement-0-started").read_text())
     assert joiner["first_sync_at"] - started < REPLACEMENT_BOUND_S, joiner["first_sync_at"] - started
-    assert set(Path("/dev/shm").glob("smddp-*")) <= before, "a segment was left in /dev/shm"
+    assert harness.segments_left_by(results) == [], "a segment was left in /dev/shm"
 
 
 @tiers.FULL_ONLY
