@@ -70,6 +70,11 @@ class RankDeclaredLostError(SMDDPError):
     left) and may not rejoin: the group went on without it."""
 
 
+class HeartbeatStoppedError(RankDeclaredLostError):
+    """This rank's heartbeat thread stopped (its store client failed): the others no longer hear
+    it and declare it lost once ``stale_after`` passes, so it may not train on."""
+
+
 class TooFewRanksError(SMDDPError):
     """Fewer ranks are left than ``min_world_size``: the job stops rather than train on."""
 
@@ -212,6 +217,7 @@ class SurvivingSync:
 
     def __call__(self) -> None:
         """Average every parameter's gradient over the live ranks, in place in ``param.grad``."""
+        self._heart.raise_if_stopped()
         if self._buckets is not None and self.step not in self._buckets.flat_steps:
             self._settle_ddp_step()
         else:
@@ -318,6 +324,7 @@ class SurvivingSync:
         wait = (timeout or timedelta(seconds=max(self._timeout, 60))).total_seconds()
         deadline = time.monotonic() + wait
         while not store.check([key]):
+            self._heart.raise_if_stopped()
             if time.monotonic() > deadline:
                 self._heart.stop()
                 raise SMDDPError(
@@ -525,6 +532,7 @@ class _Heartbeat:
         self._lock = threading.Lock()
         self._seen: dict[int, tuple[int, float]] = {}  # member -> (its count, when it last moved)
         self._declared: set[int] = set()  # members on_stale was told of
+        self.failure: BaseException | None = None  # what ended the thread, where it ended unasked
         self._all_beating = False  # every watched member's key exists (then one multi_get reads them)
         self._thread = threading.Thread(target=self._beat, name="smddp-heartbeat", daemon=True)
         self._thread.start()
@@ -569,9 +577,21 @@ class _Heartbeat:
                     self.tickets = self._beating_store.add("tickets", 0)
                     next_beat = time.monotonic() + _BEAT_S
                 self._look()
-            except Exception as exc:  # the store is gone: the job is ending
+            except Exception as exc:
+                # the store's host is gone (at the job's end, where a rank hosts it) or this
+                # rank's client failed: the next sync() raises rather than train on unheard
+                self.failure = exc
                 _log.debug("smddp: the heartbeat stopped: %r", exc)
                 return
+
+    def raise_if_stopped(self) -> None:
+        """Raise ``HeartbeatStoppedError`` where the thread ended on an error."""
+        if self.failure is not None:
+            raise HeartbeatStoppedError(
+                f"[smddp rank {self.rank}] SurvivingSync: this rank's heartbeat stopped ({self.failure!r}), so the "
+                f"other ranks no longer hear it and declare it lost once stale_after ({self.stale_after_s:g} s) "
+                "passes. A lost rank cannot rejoin: end this process (smddp_lite.launch with --max-restarts starts "
+                "a replacement). Is the rendezvous store still up, and reachable from this host?") from self.failure
 
     def _look(self) -> None:
         with self._lock:

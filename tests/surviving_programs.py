@@ -147,13 +147,15 @@ def _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums
         loss.backward()
         time.sleep(step_s)
         if not ddp and step == fault_step:
-            _fail(kind, rank, marks)
+            _fail(kind, rank, marks, sync)
         sync()
         step_done(net, optimizer, sync, checksums, worlds)
 
 
-def _fail(kind: str, rank: int, marks: str) -> None:
+def _fail(kind: str, rank: int, marks: str, sync: SurvivingSync | None = None) -> None:
     Path(marks, f"fault-{rank}").write_text(repr(time.time()))
+    if kind == "heartbeat_dies":  # its store client loses its server, as when the store's host goes
+        _cut_the_heartbeat_off(sync)
     if kind == "exit":
         os._exit(3)
     if kind in ("sigstop", "sigstop_resume"):
@@ -235,3 +237,15 @@ def _fully_sharded() -> torch.nn.Module:
     net = model()
     fully_shard(net)
     return net
+
+
+def _cut_the_heartbeat_off(sync: SurvivingSync) -> None:
+    """Point the rank's heartbeat at a store server of its own and end that server: the
+    heartbeat's next request fails on a real closed connection. Returns once the thread ended."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=5))
+    sync._heart._beating_store = dist.PrefixStore("cut", client)
+    del server
+    deadline = time.monotonic() + 20
+    while sync._heart.failure is None and time.monotonic() < deadline:
+        time.sleep(0.05)

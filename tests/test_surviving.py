@@ -142,6 +142,23 @@ def test_a_rank_that_comes_back_after_being_declared_lost_is_refused(ddp, tmp_pa
 
 
 @tiers.FULL_ONLY
+def test_a_rank_whose_heartbeat_stopped_raises_and_the_others_go_on(tmp_path):
+    """Rank 1's heartbeat thread ends on a store error (its client's server goes): it used to
+    end silently, and the rank trained on unheard until the others dropped it. Its next sync()
+    now raises; the others declare it lost and go on together."""
+    results = _run("shm", {"1": ["heartbeat_dies", FAULT_STEP]}, tmp_path)
+    stopped = results[1]
+    assert stopped.value is not None, (stopped.error, stopped.output[-3000:])
+    assert stopped.value["error"] == "HeartbeatStoppedError", stopped.value
+    assert "heartbeat stopped" in stopped.value["message"] and "cannot rejoin" in stopped.value["message"]
+    assert len(stopped.value["checksums"]) == FAULT_STEP
+    for r in (results[0], results[2]):
+        assert r.value is not None and "error" not in r.value, (r.rank, r.error, r.output[-3000:])
+        assert r.value["checksums"] == results[0].value["checksums"] and len(r.value["checksums"]) == STEPS
+        assert r.value["worlds"] == [3] * FAULT_STEP + [2] * (STEPS - FAULT_STEP), r.value["worlds"]
+
+
+@tiers.FULL_ONLY
 @pytest.mark.parametrize("ddp", [False, True], ids=["module", "ddp"])
 def test_too_few_ranks_left_stops_every_survivor_with_a_clear_error(ddp, tmp_path):
     results = _run("shm", {"1": ["exit", FAULT_STEP]}, tmp_path, min_world_size=3, ddp=ddp)
