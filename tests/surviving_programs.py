@@ -247,5 +247,5 @@ def _cut_the_heartbeat_off(sync: SurvivingSync) -> None:
     sync._heart._beating_store = dist.PrefixStore("cut", client)
     del server
     deadline = time.monotonic() + 20
-    while sync._heart.failure is None and time.monotonic() < deadline:
+    while sync._heart._thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
