@@ -231,8 +231,16 @@ class CompileConfig:
     forward, as DDP's ``broadcast_buffers=True`` (its default) does; off, each rank keeps its
     own. Env: ``SMDDP_BROADCAST_BUFFERS``."""
 
+    torch_compile: bool | None = None
+    """Compile forward and backward with torch.compile, one repeated block (transformer layer)
+    at a time, so that each bucket's collective still overlaps backward (see
+    ``smddp_lite.compiler.graph``). None: on where the parameters are on a GPU, off on the CPU,
+    where it measured no faster and its first step takes tens of seconds. Env:
+    ``SMDDP_TORCH_COMPILE`` (1, 0, or auto)."""
+
     debug: bool = False
-    """Log the bucket plan on rank 0 and per-step timings. Env: ``SMDDP_DEBUG``."""
+    """Log the bucket plan on rank 0 and per-step timings; with ``torch_compile``, torch's own
+    log of graph breaks and recompiles. Env: ``SMDDP_DEBUG``."""
 
     def __post_init__(self) -> None:
         wire = self.wire_dtype
@@ -277,6 +285,7 @@ ENV_VARS: dict[str, tuple[tuple[str, str], ...]] = {
     "SMDDP_BROADCAST_BUFFERS": (("compile", "broadcast_buffers"),),
     "SMDDP_WRITE_BACK_GRADS": (("compile", "write_back_grads"),),
     "SMDDP_SHARD_OPTIMIZER_STATE": (("compile", "shard_optimizer_state"),),
+    "SMDDP_TORCH_COMPILE": (("compile", "torch_compile"),),
     # no knob: smddp_lite.launch marks the replacements it starts, for smddp_lite.init()
     "SMDDP_REPLACEMENT": (),
     # no knob here: the container's PID 1 (docker/entrypoint.py) reads these, and on SageMaker an
@@ -295,7 +304,9 @@ _FALSE = {"0", "false", "no", "off", ""}
 
 
 def _parse(name: str, raw: str, kind: Any) -> Any:
-    if kind in (bool, "bool"):
+    if kind == "bool | None" and raw.strip().lower() in ("", "auto", "none"):
+        return None
+    if kind in (bool, "bool", "bool | None"):
         low = raw.strip().lower()
         if low in _TRUE:
             return True

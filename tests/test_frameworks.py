@@ -72,3 +72,25 @@ def test_framework_compiled_by_its_own_switch_gives_the_results_it_gives_on_gloo
         harness.skip_without_mpiexec()
     ours = _run(example, "smddp", tmp_path / "smddp.json", compiled=True, transport=transport)
     _assert_same_training(ours, _on_gloo(example, True, tmp_path))
+
+
+# frameworks that reach the compiled step (smddp_lite.compile) through their own extension point
+COMPILED_STEP = ("lightning_fit",)
+
+
+@pytest.mark.parametrize("example", COMPILED_STEP)
+def test_framework_reaches_the_compiled_step_with_ddps_results_on_gloo(tmp_path, example):
+    """Lightning's strategy=CompiledStepStrategy(): the losses DDP gives on gloo, step for step (two
+    ranks: each sum has two terms, the same float in either order), and weights within the fused
+    AdamW's rounding (torch's fused CPU kernel, the same arithmetic in another order)."""
+    if importlib.util.find_spec(EXAMPLES[example]) is None:
+        pytest.skip(f"{EXAMPLES[example]} is not installed (pip install -e '.[test]' installs it)")
+    out = tmp_path / "compiled_step.json"
+    run = harness.torchrun(["-m", f"smddp_lite.examples.{example}", "--compiled-step", "--out", str(out)],
+                           cwd=harness.ROOT)
+    assert run.returncode == 0, f"{example} --compiled-step:\n{run.stdout}\n{run.stderr}"
+    ours, gloo = json.loads(out.read_text()), _on_gloo(example, False, tmp_path)
+    assert ours["world_size"] == gloo["world_size"] == 2
+    assert len(ours["losses"]) == len(gloo["losses"]) >= 6
+    assert ours["losses"] == pytest.approx(gloo["losses"], rel=1e-6), (ours["losses"], gloo["losses"])
+    assert ours["parameter_sums"] == pytest.approx(gloo["parameter_sums"], rel=1e-5, abs=1e-6)

@@ -6,6 +6,7 @@ when collectives launch and complete; ``kernels``: the arithmetic of one update)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import weakref
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from ..config import QUANTIZED_WIRE_DTYPES, compile_config
 from .agreement import check_ranks_agree, what_must_agree
 from .buckets import describe, materialize, plan_buckets
+from .graph import compile_blocks, repeated_blocks, uncompile_blocks
 from .model import CompiledModel
 from .optimizer import CompiledOptimizer, optimizer_family, step_counts, torch_state
 from .quantized_wire import QuantizedWire, host_layout, refuse_what_an_8_bit_wire_does_not_carry
@@ -26,7 +28,7 @@ log = logging.getLogger("smddp_lite")
 # the reducer (and, sharded, the parameter gathers) of each module compiled so far: compiling it
 # again (after unfreezing parameters) detaches the old ones' hooks
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
-__all__ = ["compile", "CompiledModel", "CompiledOptimizer"]
+__all__ = ["compile", "detach", "CompiledModel", "CompiledOptimizer"]
 
 
 def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options) -> tuple[CompiledModel, CompiledOptimizer]:
@@ -40,7 +42,7 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
             is left behind.
         **options: ``bucket_cap_mb``, ``first_bucket_mb``, ``wire_dtype``, ``wire_block``,
             ``max_grad_norm``, ``write_back_grads``, ``shard_optimizer_state``,
-            ``broadcast_buffers``, ``debug`` (see ``smddp_lite.config.CompileConfig``); ``SMDDP_*`` variables set defaults.
+            ``broadcast_buffers``, ``torch_compile``, ``debug`` (see ``smddp_lite.config.CompileConfig``); ``SMDDP_*`` variables set defaults.
 
     Returns:
         ``(model, optimizer)`` used like a DDP model and a torch optimizer: forward, backward
@@ -71,6 +73,10 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
         )
     if not dist.is_initialized():
         _refuse_a_lone_rank_of_a_larger_job()
+    device = next(iter(devices), torch.device("cpu"))
+    graph = config.torch_compile if config.torch_compile is not None else device.type == "cuda"
+    blocks = repeated_blocks(model) if graph else []
+    config = dataclasses.replace(config, torch_compile=graph)
     group = dist.group.WORLD if dist.is_initialized() else None
     world = dist.get_world_size() if group is not None else 1
     mib = 2**20
@@ -80,7 +86,7 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
     buckets = plan_buckets(ordered, int(config.bucket_cap_mb * mib), int(config.first_bucket_mb * mib),
                            step_counts(state, family))
     if world > 1:  # before anything changes: a rank that differs would otherwise hang, abort or drift
-        check_ranks_agree(group, dist.get_rank(), world, next(iter(devices), torch.device("cpu")),
+        check_ranks_agree(group, dist.get_rank(), world, device,
                           what_must_agree(model, [p for _, p in ordered], buckets, family,
                                           optimizer.param_groups, config))
     for previous in _ATTACHED.pop(model, []):
@@ -100,7 +106,9 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
                     dist.broadcast(p.data, src=0)
         for buf in model.buffers():
             dist.broadcast(buf, src=0)
-    gathers = ParameterGathers(buckets, shard, group, model) if shard is not None else None
+    uncompile_blocks(model)
+    compile_blocks(blocks, config.debug)
+    gathers = ParameterGathers(buckets, shard, group, model, blocks) if shard is not None else None
     wires = None
     if quantized and wire is not None:
         layout = host_layout(world)
@@ -116,7 +124,20 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
                  type(optimizer).__name__, len(buckets), len(arenas), world, config.wire_dtype or "as parameters",
                  config.max_grad_norm, "optimizer state sharded" if shard is not None else "optimizer state on every rank",
                  describe(buckets, names, wires))
-    return CompiledModel(model, reducer, config.broadcast_buffers, gathers), compiled_optimizer
+        if graph:
+            log.info("smddp_lite.compile: torch.compile of %d repeated block(s) of %s%s", len(blocks),
+                     ", ".join(sorted({type(b).__name__ for b in blocks})) or "none",
+                     "" if blocks else " (no nn.ModuleList of two or more like blocks: forward and backward stay eager)")
+    return CompiledModel(model, reducer, config.broadcast_buffers, gathers, watch_shapes=bool(blocks)), compiled_optimizer
+
+
+def detach(model: torch.nn.Module) -> None:
+    """Undo ``compile`` on ``model`` (the bare module): its gradients are no longer reduced, its
+    sharded gathers are finished, and its blocks run eagerly again. The parameters keep their
+    values; the compiled optimizer must not step it again."""
+    for previous in _ATTACHED.pop(model, []):
+        previous.detach()
+    uncompile_blocks(model)
 
 
 def _ordered_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.nn.Parameter]]:

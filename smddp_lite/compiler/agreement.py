@@ -76,6 +76,8 @@ def what_must_agree(model: torch.nn.Module, trainable: list[torch.Tensor], bucke
          str(config.wire_block) if config.wire_dtype in QUANTIZED_WIRE_DTYPES else "unused", SAME_OPTIONS),
         ("max_grad_norm (SMDDP_MAX_GRAD_NORM)", str(config.max_grad_norm), SAME_OPTIONS),
         ("shard_optimizer_state (SMDDP_SHARD_OPTIMIZER_STATE)", str(config.shard_optimizer_state), SAME_OPTIONS),
+        # compiled blocks round differently from eager ones: the replicas would drift apart
+        ("torch_compile (SMDDP_TORCH_COMPILE)", str(config.torch_compile), SAME_OPTIONS),
         # without buffers it changes nothing
         ("broadcast_buffers (SMDDP_BROADCAST_BUFFERS)",
          str(config.broadcast_buffers) if any(b.numel() for b in model.buffers()) else "unused", SAME_OPTIONS),

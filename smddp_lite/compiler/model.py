@@ -7,6 +7,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from .graph import ShapeWatch
 from .reducer import GradReducer
 from .sharding import ParameterGathers
 
@@ -20,7 +21,7 @@ class CompiledModel(torch.nn.Module):
     ``module.`` prefix as DDP's) and owns the gradient reducer."""
 
     def __init__(self, module: torch.nn.Module, reducer: GradReducer, broadcast_buffers: bool = True,
-                 gathers: ParameterGathers | None = None) -> None:
+                 gathers: ParameterGathers | None = None, watch_shapes: bool = False) -> None:
         super().__init__()
         self.module = module
         self.reducer = reducer
@@ -30,12 +31,16 @@ class CompiledModel(torch.nn.Module):
         # (grad enabled, outside no_sync), and the first one does; an evaluation loop under
         # no_grad then runs on the buffers of the last training step, broadcast once
         self._buffers_need_sync = True
+        # blocks compiled as graphs: a changing input shape compiles them again
+        self._shapes = ShapeWatch() if watch_shapes else None
 
     def forward(self, *args, **kwargs):
         self.reducer.forget_unfinished_backward()
         if self.broadcast_buffers and self._buffers_need_sync:
             self._sync_buffers()
         self._buffers_need_sync = torch.is_grad_enabled() and self.reducer.sync
+        if self._shapes is not None:
+            self._shapes.see(args, kwargs)
         return self.module(*args, **kwargs)
 
     def wait_for_parameters(self) -> None:

@@ -95,7 +95,11 @@ class ParameterGathers:
     """The in-flight all-gathers of updated parameter shares, one per bucket, and the forward
     pre-hooks and state_dict pre-hook on the model that wait for them."""
 
-    def __init__(self, buckets: list[Bucket], shard: Shard, group, module: torch.nn.Module) -> None:
+    def __init__(self, buckets: list[Bucket], shard: Shard, group, module: torch.nn.Module,
+                 compiled_blocks: list[torch.nn.Module] = ()) -> None:
+        """``compiled_blocks``: blocks whose forward is a torch.compile graph; the wait for their
+        parameters is hooked on the block itself, which runs its hooks eagerly around the graph
+        (a hook inside it would be traced, and a wait breaks the graph)."""
         self.buckets, self.shard, self.group = buckets, shard, group
         self._works: list = [None] * len(buckets)
         # buckets whose updates cross in bfloat16: their share's parameters before the update
@@ -104,8 +108,12 @@ class ParameterGathers:
                         for b in buckets]
         bucket_of = {id(p): b.index for b in buckets for p in b.params}
         self._hooks = []
+        inside_blocks = {id(m) for block in compiled_blocks for m in block.modules()}
         for m in module.modules():
-            mine = sorted({bucket_of[id(p)] for p in m._parameters.values() if p is not None and id(p) in bucket_of})
+            if id(m) in inside_blocks and not any(m is block for block in compiled_blocks):
+                continue
+            owned = m.parameters() if id(m) in inside_blocks else (p for p in m._parameters.values() if p is not None)
+            mine = sorted({bucket_of[id(p)] for p in owned if id(p) in bucket_of})
             if mine:
                 self._hooks.append(m.register_forward_pre_hook(self._waiter(mine)))
         self._hooks.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))

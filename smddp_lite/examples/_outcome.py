@@ -17,7 +17,7 @@ def write(path: str | None, losses: list[float], model: torch.nn.Module, **more)
         json.dump({"losses": losses, "parameter_sums": sums, "world_size": dist.get_world_size(), **more}, out)
 
 
-def arguments(description: str):
+def arguments(description: str, compiled_step: bool = False):
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
@@ -26,4 +26,7 @@ def arguments(description: str):
     parser.add_argument("--out", help="write the losses and parameter sums here (JSON, rank 0)")
     parser.add_argument("--compile", action="store_true",
                         help="compile the model with torch.compile, through the framework's own switch")
+    if compiled_step:
+        parser.add_argument("--compiled-step", action="store_true",
+                            help="train with smddp_lite.compile (gradient buckets, fused optimizer step)")
     return parser.parse_args()

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.lightning_fit
     torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.lightning_fit --compile
+    torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.lightning_fit --compiled-step
 """
 
 from __future__ import annotations
@@ -40,12 +41,18 @@ class Classifier(L.LightningModule):
 
 
 def main() -> None:
-    args = _outcome.arguments(__doc__)
+    args = _outcome.arguments(__doc__, compiled_step=True)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(128, 16, generator=gen)
     data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
     model = Classifier()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend=args.backend),
+    if args.compiled_step:  # smddp_lite.compile's buckets and fused AdamW, through Lightning's extension point
+        from smddp_lite.lightning_strategy import CompiledStepStrategy
+
+        strategy = CompiledStepStrategy(process_group_backend=args.backend)
+    else:
+        strategy = DDPStrategy(process_group_backend=args.backend)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy,
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     # --compile: a compiled LightningModule, which Lightning unwraps, wraps in DDP and compiles again
