@@ -14,7 +14,8 @@ from contextlib import contextmanager
 
 from lightning.pytorch.strategies import DDPStrategy
 
-from .compiler import CompiledModel, compile as compile_step, detach
+from .compiler import CompiledModel, detach
+from .compiler import compile as compile_step
 
 
 class CompiledStepStrategy(DDPStrategy):

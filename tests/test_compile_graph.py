@@ -36,3 +36,16 @@ def test_a_changed_input_shape_is_named_once_and_debug_shows_graph_breaks_and_re
     assert "Graph break" not in quiet.output and "Recompiling" not in quiet.output, quiet.output
     assert "Graph break" in loud.output, loud.output
     assert "Recompiling" in loud.output, loud.output
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own, as torch.compile imports inductor
+def test_a_model_compiled_whole_is_warned_of_since_no_bucket_can_overlap_its_backward():
+    import torch
+
+    import smddp_lite
+
+    from .compile_graph_programs import Net
+
+    module = Net()
+    with pytest.warns(UserWarning, match=r"compile'd as a whole.*model\._orig_mod.*torch_compile=True"):
+        smddp_lite.compile(torch.compile(module), torch.optim.AdamW(module.parameters()), torch_compile=False)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
+import warnings
 import weakref
 
 import torch
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from ..config import QUANTIZED_WIRE_DTYPES, compile_config
 from .agreement import check_ranks_agree, what_must_agree
 from .buckets import describe, materialize, plan_buckets
-from .graph import compile_blocks, repeated_blocks, uncompile_blocks
+from .graph import compile_graphs, repeated_blocks, uncompile_graphs
 from .model import CompiledModel
 from .optimizer import CompiledOptimizer, optimizer_family, step_counts, torch_state
 from .quantized_wire import QuantizedWire, host_layout, refuse_what_an_8_bit_wire_does_not_carry
@@ -63,6 +65,7 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
         refuse_what_an_8_bit_wire_does_not_carry(model, config)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("smddp_lite.compile: pass the bare module, not a DistributedDataParallel wrapper (use .module)")
+    _warn_of_a_whole_model_graph(model)
     family = optimizer_family(optimizer)
     ordered = _ordered_params(model, optimizer)
     devices = {p.device for _, p in ordered}
@@ -106,9 +109,9 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
                     dist.broadcast(p.data, src=0)
         for buf in model.buffers():
             dist.broadcast(buf, src=0)
-    uncompile_blocks(model)
-    compile_blocks(blocks, config.debug)
-    gathers = ParameterGathers(buckets, shard, group, model, blocks) if shard is not None else None
+    uncompile_graphs(model)
+    graphs = compile_graphs(model, blocks, config.debug)
+    gathers = ParameterGathers(buckets, shard, group, model, graphs) if shard is not None else None
     wires = None
     if quantized and wire is not None:
         layout = host_layout(world)
@@ -137,7 +140,19 @@ def detach(model: torch.nn.Module) -> None:
     values; the compiled optimizer must not step it again."""
     for previous in _ATTACHED.pop(model, []):
         previous.detach()
-    uncompile_blocks(model)
+    uncompile_graphs(model)
+
+
+def _warn_of_a_whole_model_graph(model: torch.nn.Module) -> None:
+    """A module torch.compile'd whole runs its backward as one autograd node: every gradient is
+    ready only at its end, so no bucket's collective can overlap backward."""
+    dynamo = sys.modules.get("torch._dynamo")  # imported wherever a module was compiled
+    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
+        warnings.warn(
+            "smddp_lite.compile: the model is torch.compile'd as a whole, so its backward is one graph and no "
+            "gradient bucket can be sent before all of backward ends. Pass the module itself "
+            "(model._orig_mod) with torch_compile=True: each repeated block is then compiled on its own and "
+            "the buckets overlap backward", stacklevel=3)
 
 
 def _ordered_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.nn.Parameter]]:

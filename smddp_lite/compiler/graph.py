@@ -1,4 +1,5 @@
-"""Graph compilation of the compiled step: torch.compile each repeated block on its own.
+"""Graph compilation of the compiled step: torch.compile each repeated block on its own, and the
+model around them split at every block.
 
 Why blocks and not the whole model: compiled whole, backward is one autograd node, so every
 gradient is accumulated (and every post-accumulate-grad hook fires) only once all of backward is
@@ -13,7 +14,11 @@ What is compiled: the elements of every ``nn.ModuleList`` holding two or more mo
 class with parameters (transformer layers, residual stages), outermost lists first. Each such
 block's ``forward`` is replaced on the instance: parameter names, ``state_dict`` keys and hooks
 on the block itself stay as they were (the hooks run eagerly around the graph, which is where the
-sharded step waits for its gathers). Embeddings, heads and the loss stay eager.
+sharded step waits for its gathers). The model's own forward is compiled too, with each block
+opaque to it: dynamo splits it at every block into graphs of their own (the embeddings before the
+first block, the head and a loss the model computes after the last), as torch's DDPOptimizer
+splits a graph at bucket boundaries. Without such a list nothing is compiled: one graph of the
+whole model would hold every gradient back to the end of backward.
 """
 
 from __future__ import annotations
@@ -48,27 +53,47 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def compile_blocks(blocks: list[torch.nn.Module], debug: bool) -> None:
-    """Replace each block's forward by its torch.compile'd self (once: a block compiled by an
-    earlier ``smddp_lite.compile`` of the same model keeps its graph). ``debug``: torch's own
+def compile_graphs(model: torch.nn.Module, blocks: list[torch.nn.Module], debug: bool) -> list[torch.nn.Module]:
+    """Replace each block's forward by its torch.compile'd self, and ``model``'s forward by one
+    that compiles everything around the blocks (embeddings, head, loss) into graphs of their own:
+    the blocks are opaque to it (``_opaque``: each block runs its own graph), so
+    dynamo splits the model's forward at every block, as torch's DDPOptimizer splits at buckets,
+    and every piece's backward is an autograd node whose gradients go out as soon as it ends.
+    Returns what was compiled, blocks first, each running its own hooks eagerly. Once per module:
+    a module compiled by an earlier ``smddp_lite.compile`` keeps its graph. ``debug``: torch's own
     log of graph breaks and recompiles, the two things that make a compiled step slow."""
+    if not blocks:
+        return []
     if debug:
         torch._logging.set_logs(graph_breaks=True, recompiles=True)
-    if blocks:
-        with warnings.catch_warnings():
-            # inductor's first import defines torch.utils.mkldnn's classes with a torch.jit decorator
-            # that torch itself deprecates: torch's own use, not ours, and nothing a user can change
-            warnings.simplefilter("ignore", DeprecationWarning)
-            importlib.import_module("torch._inductor.compile_fx")
+    with warnings.catch_warnings():
+        # inductor's first import defines torch.utils.mkldnn's classes with a torch.jit decorator
+        # that torch itself deprecates: torch's own use, not ours, and nothing a user can change
+        warnings.simplefilter("ignore", DeprecationWarning)
+        importlib.import_module("torch._inductor.compile_fx")
     for block in blocks:
-        if getattr(block, _MARK, False):
-            continue
-        block.forward = torch.compile(block.forward)
-        setattr(block, _MARK, True)
+        if not getattr(block, _MARK, False):
+            block.forward = _opaque(torch.compile(block.forward))
+            setattr(block, _MARK, True)
+    if not getattr(model, _MARK, False):
+        model.forward = torch.compile(model.forward)
+        setattr(model, _MARK, True)
+    return [*blocks, model]
 
 
-def uncompile_blocks(model: torch.nn.Module) -> None:
-    """Give every block of ``model`` its own eager forward back (compile again with
+def _opaque(compiled):
+    """``compiled``, run as a graph of its own where an enclosing graph calls it: dynamo does not
+    inline this frame (a graph break), and the frames it calls are compiled as usual, so
+    ``compiled`` runs its own graph (``recursive=True`` would run it eagerly)."""
+
+    def run_own_graph(*args, **kwargs):
+        return compiled(*args, **kwargs)
+
+    return torch.compiler.disable(run_own_graph, recursive=False)
+
+
+def uncompile_graphs(model: torch.nn.Module) -> None:
+    """Give ``model`` and every block of it its own eager forward back (compile again with
     ``torch_compile=False``)."""
     for module in model.modules():
         if getattr(module, _MARK, False):

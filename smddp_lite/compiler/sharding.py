@@ -96,10 +96,11 @@ class ParameterGathers:
     pre-hooks and state_dict pre-hook on the model that wait for them."""
 
     def __init__(self, buckets: list[Bucket], shard: Shard, group, module: torch.nn.Module,
-                 compiled_blocks: list[torch.nn.Module] = ()) -> None:
-        """``compiled_blocks``: blocks whose forward is a torch.compile graph; the wait for their
-        parameters is hooked on the block itself, which runs its hooks eagerly around the graph
-        (a hook inside it would be traced, and a wait breaks the graph)."""
+                 compiled: list[torch.nn.Module] = ()) -> None:
+        """``compiled``: modules whose forward is torch.compile'd (``graph.compile_graphs``),
+        innermost first. The wait for the parameters inside each is hooked on it, where it runs
+        eagerly around the graph (a hook inside would be traced, and a wait breaks the graph); a
+        parameter of a block waits at its block, not at the enclosing model."""
         self.buckets, self.shard, self.group = buckets, shard, group
         self._works: list = [None] * len(buckets)
         # buckets whose updates cross in bfloat16: their share's parameters before the update
@@ -108,11 +109,15 @@ class ParameterGathers:
                         for b in buckets]
         bucket_of = {id(p): b.index for b in buckets for p in b.params}
         self._hooks = []
-        inside_blocks = {id(m) for block in compiled_blocks for m in block.modules()}
-        for m in module.modules():
-            if id(m) in inside_blocks and not any(m is block for block in compiled_blocks):
-                continue
-            owned = m.parameters() if id(m) in inside_blocks else (p for p in m._parameters.values() if p is not None)
+        waiters, claimed, inside = [], set(), set()
+        for unit in compiled:
+            owned = [p for p in unit.parameters() if id(p) not in claimed]
+            claimed.update(id(p) for p in owned)
+            inside.update(id(m) for m in unit.modules())
+            waiters.append((unit, owned))
+        waiters += [(m, [p for p in m._parameters.values() if p is not None])
+                    for m in module.modules() if id(m) not in inside]
+        for m, owned in waiters:
             mine = sorted({bucket_of[id(p)] for p in owned if id(p) in bucket_of})
             if mine:
                 self._hooks.append(m.register_forward_pre_hook(self._waiter(mine)))
