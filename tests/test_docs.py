@@ -82,6 +82,8 @@ NOT_RUN = {
         FRAGMENT.format("model, optimizer, loader", "smddp_lite/examples/accelerate_loop.py"),
     ("docs/frameworks.md", "import lightning as L"):
         FRAGMENT.format("model, loader", "smddp_lite/examples/lightning_fit.py"),
+    ("docs/frameworks.md", "from smddp_lite.lightning_strategy import CompiledStepStrategy"):
+        FRAGMENT.format("L, model, loader", "smddp_lite/examples/lightning_fit.py"),
     ("docs/frameworks.md", "get_state_dict(compiled.module"):
         FRAGMENT.format("compiled, directory, ...", "smddp_lite/examples/dcp_resume.py"),
     ("docs/gpus.md", 'pip install -e ".[cuda12]"'): f"{GPU}: cupy and NCCL for a CUDA version",
@@ -240,8 +242,10 @@ def test_framework_command_is_the_one_test_frameworks_runs(where):
     assert source.startswith(prefix) and "\n" not in source, source
     example, *flags = source[len(prefix):].split()
     assert example in test_frameworks.EXAMPLES, f"{where}: tests/test_frameworks.py does not run {example}"
-    if flags:  # its other test runs the compiled ones with --compile
-        assert flags == ["--compile"] and example in test_frameworks.COMPILED, f"{where}: not run as {source}"
+    if flags:  # its other tests run the compiled ones with --compile, and the compiled step's routes
+        assert (flags == ["--compile"] and example in test_frameworks.COMPILED
+                or flags == ["--compiled-step"] and example in test_frameworks.COMPILED_STEP), \
+            f"{where}: not run as {source}"
 
 
 @tiers.QUICK

@@ -17,7 +17,7 @@ def write(path: str | None, losses: list[float], model: torch.nn.Module, **more)
         json.dump({"losses": losses, "parameter_sums": sums, "world_size": dist.get_world_size(), **more}, out)
 
 
-def arguments(description: str, compiled_step: bool = False):
+def arguments(description: str, compiled_step: bool = False, accumulate: bool = False):
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
@@ -26,6 +26,8 @@ def arguments(description: str, compiled_step: bool = False):
     parser.add_argument("--out", help="write the losses and parameter sums here (JSON, rank 0)")
     parser.add_argument("--compile", action="store_true",
                         help="compile the model with torch.compile, through the framework's own switch")
+    if accumulate:
+        parser.add_argument("--accumulate", type=int, default=1, help="batches whose gradients make one step")
     if compiled_step:
         parser.add_argument("--compiled-step", action="store_true",
                             help="train with smddp_lite.compile (gradient buckets, fused optimizer step)")

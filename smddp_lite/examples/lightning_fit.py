@@ -41,7 +41,7 @@ class Classifier(L.LightningModule):
 
 
 def main() -> None:
-    args = _outcome.arguments(__doc__, compiled_step=True)
+    args = _outcome.arguments(__doc__, compiled_step=True, accumulate=True)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(128, 16, generator=gen)
     data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
@@ -53,7 +53,7 @@ def main() -> None:
     else:
         strategy = DDPStrategy(process_group_backend=args.backend)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy,
-                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        max_steps=args.steps, accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     # --compile: a compiled LightningModule, which Lightning unwraps, wraps in DDP and compiles again
     trainer.fit(torch.compile(model) if args.compile else model, torch.utils.data.DataLoader(data, batch_size=8))
