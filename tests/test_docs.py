@@ -84,6 +84,8 @@ NOT_RUN = {
         FRAGMENT.format("model, loader", "smddp_lite/examples/lightning_fit.py"),
     ("docs/frameworks.md", "from smddp_lite.lightning_strategy import CompiledStepStrategy"):
         FRAGMENT.format("L, model, loader", "smddp_lite/examples/lightning_fit.py"),
+    ("docs/frameworks.md", "from smddp_lite.hf_trainer import CompiledStepTrainer"):
+        FRAGMENT.format("model, args, dataset", "smddp_lite/examples/hf_trainer.py"),
     ("docs/frameworks.md", "get_state_dict(compiled.module"):
         FRAGMENT.format("compiled, directory, ...", "smddp_lite/examples/dcp_resume.py"),
     ("docs/gpus.md", 'pip install -e ".[cuda12]"'): f"{GPU}: cupy and NCCL for a CUDA version",

@@ -77,7 +77,7 @@ def test_framework_compiled_by_its_own_switch_gives_the_results_it_gives_on_gloo
 
 
 # frameworks that reach the compiled step (smddp_lite.compile) through their own extension point
-COMPILED_STEP = ("lightning_fit",)
+COMPILED_STEP = ("lightning_fit", "hf_trainer")
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
