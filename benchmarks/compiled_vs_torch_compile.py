@@ -21,6 +21,9 @@ see --only), and the final losses, which must agree to compile's tolerance.
     torchrun --standalone --nproc-per-node 1 benchmarks/compiled_vs_torch_compile.py --model gpt2-small --device cuda
     # peak resident memory of one variant alone (CPU), one job per variant:
     torchrun --standalone --nproc-per-node 2 benchmarks/compiled_vs_torch_compile.py --model bert --only step-graph
+    # in the lab: 2 simulated hosts x 2 ranks, 1 Gbit/s links, the compiled steps on a bfloat16 wire (root)
+    python -m benchmarks.compiled_vs_torch_compile --lab 2x2 --model bert --wire-dtype bfloat16 \
+        --only step-eager --only step-graph
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def batches_for(name: str, vocab: int, steps: int, rank: int, device: torch.devi
     return out
 
 
-def build(variant: str, name: str, device: torch.device, gloo_group) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(variant: str, name: str, device: torch.device, gloo_group,
+          wire_dtype: str | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     module = make_model(name, device)
     if variant.startswith("ddp-"):
         ddp = torch.nn.parallel.DistributedDataParallel(
@@ -81,7 +85,7 @@ def build(variant: str, name: str, device: torch.device, gloo_group) -> tuple[to
             process_group=gloo_group if variant == "ddp-gloo-compiled" else None)
         return torch.compile(ddp), torch.optim.AdamW(ddp.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
     return smddp_lite.compile(module, torch.optim.AdamW(module.parameters(), lr=3e-4, weight_decay=0.1),
-                              torch_compile=variant == "step-graph")
+                              torch_compile=variant == "step-graph", wire_dtype=wire_dtype)
 
 
 def main() -> None:
@@ -91,8 +95,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--only", choices=VARIANTS, action="append", help="run only these variants")
+    parser.add_argument("--wire-dtype", help="the compiled steps' wire_dtype (bfloat16, int8, ...)")
+    parser.add_argument("--lab", metavar="HOSTSxRANKS",
+                        help="run in the lab of simulated hosts (as root), e.g. 2x2; links at --rate")
+    parser.add_argument("--rate", default="1gbit", help="the lab's link rate")
     parser.add_argument("--json", help="write the measurements here (rank 0)")
     args = parser.parse_args()
+    if args.lab:
+        return in_the_lab(args)
 
     device = torch.device("cpu")
     if args.device == "cuda":
@@ -116,7 +126,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        model, opt = build(variant.replace("nccl", "gloo"), args.model, device, reference)
+        model, opt = build(variant.replace("nccl", "gloo"), args.model, device, reference, args.wire_dtype)
         if batches is None:
             batches = batches_for(args.model, make_model(args.model, "cpu").config.vocab_size, args.steps, rank, device)
         variants[variant] = (model, opt)
@@ -155,8 +165,9 @@ def main() -> None:
     if rank == 0:
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         params = sum(p.numel() for p in next(iter(variants.values()))[0].parameters())
+        wire = f"compiled steps' wire {args.wire_dtype}" if args.wire_dtype else "float32 wire"
         print(f"# {args.model} ({params / 1e6:.1f}M parameters), {world} rank(s) on {where}, batch {batch} x {sequence} "
-              f"per rank, float32, AdamW; {args.rounds} rounds of {args.steps} steps per variant; torch {torch.__version__}")
+              f"per rank, float32, {wire}, AdamW; {args.rounds} rounds of {args.steps} steps per variant; torch {torch.__version__}")
         print(f"# {'variant':<19} {'median ms':>10} {'p20':>9} {'p80':>9} {'samples/s':>10} {'warm-up s':>9} "
               f"{'peak MiB':>9} {'final loss':>10}")
         for r in rows:
@@ -164,7 +175,7 @@ def main() -> None:
             print(f"  {r['variant']:<19} {r['median_ms']:10.2f} {r['p20_ms']:9.2f} {r['p80_ms']:9.2f} "
                   f"{r['samples_per_s']:10.2f} {r['warmup_s']:9.1f} {peak} {r['final_loss']:10.5f}")
         by = {r["variant"]: r["median_ms"] for r in rows}
-        baselines = [v for v in by if v.startswith("ddp-")] + (["step-eager"] if "step-graph" in by else [])
+        baselines = [v for v in by if v.startswith("ddp-")] + (["step-eager"] if "step-eager" in by else [])
         if "step-graph" in by and baselines:
             best = min(baselines, key=by.get)
             print(f"# step-graph is {by[best] / by['step-graph']:.3f}x the best baseline ({best}); "
@@ -177,6 +188,24 @@ def main() -> None:
                 json.dump({"model": args.model, "parameters": params, "world_size": world, "device": where,
                            "torch": torch.__version__, "rows": rows, "max_rss_mib": rss}, f, indent=1)
     dist.destroy_process_group()
+
+
+def in_the_lab(args) -> None:
+    """This benchmark on ``args.lab`` simulated hosts (benchmarks/multinode), one torchrun per
+    host; prints rank 0's report."""
+    import sys
+
+    from benchmarks.scaling import run_job
+
+    hosts, per_host = (int(n) for n in args.lab.split("x"))
+    argv = sys.argv[1:]
+    for flag in ("--lab", "--rate"):  # the lab's own options go, with their values
+        if flag in argv:
+            del argv[argv.index(flag):argv.index(flag) + 2]
+    argv = [a for a in argv if not a.startswith(("--lab=", "--rate="))]
+    outputs = run_job(hosts, per_host, [os.path.basename(__file__), *argv], {}, args.rate, "torchrun", 3000,
+                      f"{args.model} on {args.lab}")
+    print("\n".join(line for line in outputs[0].splitlines() if line.startswith(("#", "  "))))
 
 
 def step_once(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) -> torch.Tensor:

@@ -11,16 +11,18 @@
 #   quantize:  the 8-bit wire's quantize and dequantize_add kernels against a same-size copy_
 #              (quantize_kernels.py), checked against their reference as they are timed
 #   train:     one training step end to end, DDP on nccl and on smddp and smddp_lite.compile
+#   compiled:  GPT-2 small, smddp_lite.compile with torch_compile on and off against
+#              torch.compile(DDP(model)) with fused AdamW on nccl and on smddp, with peak memory
 # Each step has its own time limit, so one that hangs or runs long costs only its own share, and
 # everything it printed is kept. Usage, from the repository root on the GPU machine:
 #
-#   bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer] [quantize] [train]
+#   bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer] [quantize] [train] [compiled]
 #
-# The parts run in the order named; with none named, all five, in that order. Their time limits
-# add up to 3, 4 (6.5 with reruns of failed tests), 5.5, 1.5 and 2.5 minutes: 19 in all, more
-# than one 10-minute command may run, so where a hang must not cost the rest, run them in two
-# calls, `overhead tests` (at most 9.5 minutes) and then `optimizer quantize train` (at most
-# 9.5). Their real times are far below the limits: on an H100 (2026-11-28) `overhead tests
+# The parts run in the order named; with none named, all six, in that order. Their time limits
+# add up to 3, 4 (6.5 with reruns of failed tests), 5.5, 1.5, 2.5 and 5 minutes: 24 in all, more
+# than one 10-minute command may run, so where a hang must not cost the rest, run them in three
+# calls, `overhead tests` (at most 9.5 minutes), `optimizer quantize train` (at most 9.5) and
+# `compiled` (at most 5). Their real times are far below the limits: on an H100 (2026-11-28) `overhead tests
 # train` took 153 s in one call; on 2026-11-27 the optimizer benchmark at 1B without
 # torch.compile took 50 s, without the graphed baseline, which holds a fifth copy of the
 # parameters, gradients and state (20 GB more at 1B: on a card of 80 GB give the 1B step
@@ -29,18 +31,18 @@
 # --install first runs `pip install --no-deps --no-build-isolation -e .` (for an image that has
 # torch, cupy and triton but not this package). Record what it measured in benchmarks/results/.
 set -u
-usage="usage: bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer] [quantize] [train]"
+usage="usage: bash benchmarks/gpu_checks.sh OUT_DIR [--install] [overhead] [tests] [optimizer] [quantize] [train] [compiled]"
 out=${1:?$usage}
 shift
 install=0 parts=""
 for arg in "$@"; do
     case $arg in
         --install) install=1 ;;
-        tests|overhead|optimizer|quantize|train) parts="$parts $arg" ;;
+        tests|overhead|optimizer|quantize|train|compiled) parts="$parts $arg" ;;
         *) echo "unknown argument '$arg'; $usage" >&2; exit 2 ;;
     esac
 done
-parts=${parts:-" overhead tests optimizer quantize train"}
+parts=${parts:-" overhead tests optimizer quantize train compiled"}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -126,6 +128,13 @@ run_train() {
     # end to end: DDP on nccl, DDP on smddp, smddp_lite.compile; GPT-2 small, one GPU
     step train-step 150 $py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/train_step.py \
         --device cuda --json "$out/train-step.json"
+}
+run_compiled() {
+    # GPT-2 small (12 x 768, sequence 1024, batch 8, float32): the compiles (torch.compile of DDP,
+    # then the compiled step's blocks and the graphs between them) take most of the limit
+    step compiled-vs-torch-compile 300 $py -m torch.distributed.run --standalone --nproc-per-node 1 \
+        benchmarks/compiled_vs_torch_compile.py --model gpt2-small --device cuda --rounds 3 \
+        --json "$out/compiled-vs-torch-compile.json"
 }
 for part in $parts; do "run_$part"; done
 echo "== $failed step(s) failed; the logs are in $out"

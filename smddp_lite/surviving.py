@@ -43,7 +43,7 @@ step count. The newcomer then trains that step with the others.
 from __future__ import annotations
 
 import logging
-import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -56,6 +56,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .backend import before_exit
 from .backend.errors import CollectiveMismatchError, SMDDPError
+from .job_store import RUNNING, finished, job_store, mark_finished, root_store, running_job_store
+from .launch import init, standing_by
 from .sampling import ElasticSampler
 from .surviving_ddp import DDPBuckets, refuse_wrappers_that_cannot_survive
 
@@ -73,6 +75,10 @@ class RankDeclaredLostError(SMDDPError):
 class HeartbeatStoppedError(RankDeclaredLostError):
     """This rank's heartbeat thread stopped (its store client failed): the others no longer hear
     it and declare it lost once ``stale_after`` passes, so it may not train on."""
+
+
+class JobFinishedError(SMDDPError):
+    """A replacement found the job it was started for finished: there is nothing to join."""
 
 
 class TooFewRanksError(SMDDPError):
@@ -175,20 +181,16 @@ class SurvivingSync:
         if isinstance(model, DistributedDataParallel):
             self._buckets = DDPBuckets(model, tickets=lambda: self._heart.tickets, step=lambda: self.step)
             model.register_forward_pre_hook(self._before_forward)
-        from .launch import standing_by
-
-        store = standing_by() if dist.is_initialized() else _running_job_store()
+        store = standing_by() if dist.is_initialized() else running_job_store()
         if store is not None:
             self._join(store, timeout)
             return
         if not dist.is_initialized():
-            from .launch import init
-
             init(timeout=timeout)
         group = dist.group.WORLD
         self._backend = dist.get_backend(group)
         self._timeout = _group_timeout(group)
-        self._base_store = _job_store(_root_store(dist.distributed_c10d._get_default_store()))
+        self._base_store = job_store(root_store(dist.distributed_c10d._get_default_store()))
         self.members: tuple[int, ...] = tuple(range(dist.get_world_size()))
         self.first_rank = dist.get_rank()  # this rank's id for good
         self._heart = _Heartbeat(self._base_store, self.first_rank, self.stale_after_s, self._found_stale)
@@ -198,7 +200,8 @@ class SurvivingSync:
         self._heart.watch(self.members)
         self._base_store.set("first_world", str(dist.get_world_size()))
         self._base_store.set("how", f"{self._backend},{self._timeout}")
-        self._base_store.set("running", "1")
+        self._base_store.set(RUNNING, "1")
+        before_exit.stop_at_exit(self._finish_at_exit)
         if sampler is not None:
             sampler.attach(self.first_rank, self.members)
 
@@ -211,9 +214,22 @@ class SurvivingSync:
         return dist.get_world_size()
 
     def close(self) -> None:
-        """Stop the heartbeat (a rank that leaves on purpose would otherwise be waited for as lost
-        only once its beats stop)."""
+        """End this rank's training: say in the store that the job is over, and stop the heartbeat
+        (a rank that stops beating would otherwise be waited for as lost). A replacement started
+        from then on (by a launcher that saw a rank fail as the job ended, or by hand) exits at
+        once with ``JobFinishedError`` instead of waiting to be admitted. A member whose process
+        ends without an unhandled exception does this at exit. A rank the others declared lost,
+        or whose heartbeat stopped, says nothing."""
+        if self._heart.beating():
+            mark_finished(self._base_store, self.first_rank, self.step)
         self._heart.stop()
+
+    def _finish_at_exit(self) -> None:
+        """backend/before_exit.py calls this at the interpreter's exit, before the heartbeat's stop."""
+        if getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
+            self.close()  # no unhandled exception: the script reached its end
+        else:
+            self._heart.stop()
 
     def __call__(self) -> None:
         """Average every parameter's gradient over the live ranks, in place in ``param.grad``."""
@@ -315,6 +331,7 @@ class SurvivingSync:
         state from rank 0."""
         started = time.monotonic()
         self._base_store = store
+        self._refuse_a_finished_job(store)
         ticket = store.add("tickets", 1)
         self.first_rank = int(store.get("first_world")) + ticket - 1
         backend, timeout_s = store.get("how").decode().split(",")
@@ -323,8 +340,12 @@ class SurvivingSync:
         key = f"admit/{ticket}"
         wait = (timeout or timedelta(seconds=max(self._timeout, 60))).total_seconds()
         deadline = time.monotonic() + wait
+        looked = time.monotonic()
         while not store.check([key]):
             self._heart.raise_if_stopped()
+            if time.monotonic() - looked > _LOOK_S:  # the job may end while this one waits
+                looked = time.monotonic()
+                self._refuse_a_finished_job(store)
             if time.monotonic() > deadline:
                 self._heart.stop()
                 raise SMDDPError(
@@ -334,6 +355,7 @@ class SurvivingSync:
         generation, members = store.get(key).decode().split(";")
         self.generation, self.members = int(generation), _parse(members)
         self._heart.watch(self.members)
+        before_exit.stop_at_exit(self._finish_at_exit)
         self._rebuild(self.members, self.generation, admitted=True)
         self._receive_state()
         if self._buckets is not None:  # its first step is averaged flat, as _before_forward says
@@ -343,6 +365,18 @@ class SurvivingSync:
         _log.warning("smddp: joined as rank %d of %d at sync %d, %.2f s after starting", change.rank,
                      change.world_size, change.step, change.seconds)
         self._tell(change)
+
+    def _refuse_a_finished_job(self, store: dist.Store) -> None:
+        done = finished(store)
+        if done is None:
+            return
+        if getattr(self, "_heart", None) is not None:
+            self._heart.stop()
+        member, step = done
+        raise JobFinishedError(
+            f"SurvivingSync: the job this replacement was started for has finished (member {member} ended its "
+            f"training after sync {step}), so there is nothing to join; this process ends here. To train "
+            "further, start a new job (from its last checkpoint).")
 
     def _admit(self) -> None:
         """Every member, at the same sync: make the group again with the waiting replacements last,
@@ -526,7 +560,7 @@ class _Heartbeat:
                  on_stale: Callable[[tuple[int, ...], float], None] | None = None) -> None:
         self.store, self.rank, self.stale_after_s, self.on_stale = store, rank, stale_after_s, on_stale
         self._stop = threading.Event()
-        self._beating_store = _job_store(_own_client(store.underlying_store))
+        self._beating_store = job_store(_own_client(store.underlying_store))
         self._beating_store.add(self._key(rank), 1)
         self.tickets = 0  # replacements that asked to join so far, as last read
         self._lock = threading.Lock()
@@ -584,6 +618,10 @@ class _Heartbeat:
                 _log.debug("smddp: the heartbeat stopped: %r", exc)
                 return
 
+    def beating(self) -> bool:
+        """The thread runs: not stopped (as a rank declared lost is) and not ended on an error."""
+        return not self._stop.is_set() and self.failure is None
+
     def raise_if_stopped(self) -> None:
         """Raise ``HeartbeatStoppedError`` where the thread ended on an error."""
         if self.failure is not None:
@@ -624,30 +662,6 @@ class _Heartbeat:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=2 * _LOOK_S + 1)
-
-
-def _root_store(store: dist.Store) -> dist.Store:
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
-
-
-def _running_job_store() -> dist.Store | None:
-    """The store of a job already training with SurvivingSync, where this process is a replacement;
-    None otherwise. Asked only where the store lives outside the ranks (torchrun's agent store, or
-    a store of its own: TORCHELASTIC_USE_AGENT_STORE=True), since a rank would wait here for a
-    store its rank 0 has not opened yet."""
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not host or not port or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = _job_store(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30)))
-    return store if store.check(["running"]) else None
-
-
-def _job_store(root: dist.Store) -> dist.PrefixStore:
-    """SurvivingSync's keys, apart from the group's: per torchrun restart, since torchrun keeps its
-    store when it restarts every worker, which would otherwise find the last run's job running."""
-    return dist.PrefixStore(f"smddp-surviving/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", root)
 
 
 def _own_client(store: dist.Store) -> dist.Store:

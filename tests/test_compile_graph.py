@@ -48,4 +48,5 @@ def test_a_model_compiled_whole_is_warned_of_since_no_bucket_can_overlap_its_bac
 
     module = Net()
     with pytest.warns(UserWarning, match=r"compile'd as a whole.*model\._orig_mod.*torch_compile=True"):
-        smddp_lite.compile(torch.compile(module), torch.optim.AdamW(module.parameters()), torch_compile=False)
+        smddp_lite.compile(torch.compile(module), torch.optim.AdamW(module.parameters()), torch_compile=True)
+    assert not any("forward" in vars(m) for m in module.modules()), "the whole model's own graph stands"

@@ -233,3 +233,19 @@ def test_what_cannot_survive_is_refused_with_the_reason():
     assert "already has a comm hook (allreduce_hook)" in said["hook"], said
     assert "smddp_lite.compile model" in said["compiled"] and said["compiled"].startswith("TypeError"), said
     assert "FSDP model" in said["fsdp"], said
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_a_replacement_started_after_the_job_finished_ends_at_once_saying_why(tmp_path, how):
+    """A member's close(), or its process's end without an error, marks the job finished in the
+    store; a replacement started then exits within seconds with JobFinishedError, instead of
+    waiting the group's timeout to be admitted by ranks that no longer sync."""
+    out = tmp_path / "replacement.json"
+    run = harness.torchrun(["-m", "tests.surviving_after_the_end", str(out), *(["--close"] if how == "close" else [])],
+                           cwd=harness.ROOT, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    seen = json.loads(out.read_text())
+    assert seen["marked"] is not None and seen["marked"][0] == 1, seen  # rank 1 marked it, after 3 syncs
+    assert seen["returncode"] != 0 and seen["seconds"] < 10, seen
+    assert "JobFinishedError" in seen["said"] and "has finished" in seen["said"], seen["said"]
+    assert "start a new job" in seen["said"], seen["said"]

@@ -65,7 +65,7 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
         refuse_what_an_8_bit_wire_does_not_carry(model, config)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("smddp_lite.compile: pass the bare module, not a DistributedDataParallel wrapper (use .module)")
-    _warn_of_a_whole_model_graph(model)
+    compiled_whole = _warn_of_a_whole_model_graph(model)
     family = optimizer_family(optimizer)
     ordered = _ordered_params(model, optimizer)
     devices = {p.device for _, p in ordered}
@@ -78,7 +78,7 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
         _refuse_a_lone_rank_of_a_larger_job()
     device = next(iter(devices), torch.device("cpu"))
     graph = config.torch_compile if config.torch_compile is not None else device.type == "cuda"
-    blocks = repeated_blocks(model) if graph else []
+    blocks = repeated_blocks(model) if graph and not compiled_whole else []
     config = dataclasses.replace(config, torch_compile=graph)
     group = dist.group.WORLD if dist.is_initialized() else None
     world = dist.get_world_size() if group is not None else 1
@@ -143,16 +143,19 @@ def detach(model: torch.nn.Module) -> None:
     uncompile_graphs(model)
 
 
-def _warn_of_a_whole_model_graph(model: torch.nn.Module) -> None:
+def _warn_of_a_whole_model_graph(model: torch.nn.Module) -> bool:
     """A module torch.compile'd whole runs its backward as one autograd node: every gradient is
-    ready only at its end, so no bucket's collective can overlap backward."""
+    ready only at its end, so no bucket's collective can overlap backward. Returns whether
+    ``model`` is one (its own graph then stands: no block of it is compiled again)."""
     dynamo = sys.modules.get("torch._dynamo")  # imported wherever a module was compiled
-    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
+    whole = dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule)
+    if whole:
         warnings.warn(
             "smddp_lite.compile: the model is torch.compile'd as a whole, so its backward is one graph and no "
             "gradient bucket can be sent before all of backward ends. Pass the module itself "
             "(model._orig_mod) with torch_compile=True: each repeated block is then compiled on its own and "
             "the buckets overlap backward", stacklevel=3)
+    return whole
 
 
 def _ordered_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.nn.Parameter]]:

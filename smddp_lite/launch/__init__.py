@@ -75,9 +75,9 @@ def _replacing_a_rank_of_a_running_job() -> bool:
     nothing may be listening yet."""
     if os.environ.get("SMDDP_REPLACEMENT") != "1":
         return False
-    from ..surviving import _running_job_store
+    from ..job_store import running_job_store
 
-    store = _running_job_store()
+    store = running_job_store()
     if store is None:
         return False
     _STANDBY.append(store)

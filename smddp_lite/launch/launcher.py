@@ -37,11 +37,15 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 
+from ..job_store import finished, job_store
 from . import open_store, store_address
 
 _log = logging.getLogger("smddp_lite.launch")
 
 _POLL_S = 0.1  # how often the launcher looks at its ranks
+# what the ranks see as torchrun's restart count: this launcher replaces ranks, it never restarts
+# the job, so the job's keys in the store (smddp_lite/job_store.py) stay under one prefix
+_RESTART_COUNT = "0"
 _ALIVE = "smddp-launch/alive/"  # + host index: how many of that host's ranks run
 
 
@@ -159,7 +163,7 @@ class Launcher:
             "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.port),
             # the store is the launcher's: a rank that starts after the job began joins it as a
             # replacement (SurvivingSync), and no rank's exit takes the store with it
-            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": _RESTART_COUNT,
             "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts), "TORCHELASTIC_RUN_ID": self.run_id,
         }
         if slot.started:  # smddp_lite.init() then waits in a group of one for SurvivingSync to join the job
@@ -218,6 +222,11 @@ class Launcher:
             self.succeeded_at = self.succeeded_at or now
             return
         status = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
+        if slot.started > 1 and self._job_finished():
+            # a replacement that found the job over (SurvivingSync's JobFinishedError): not a failure
+            _log.warning("smddp launch: rank %d's replacement (pid %d) found the job finished and ended (status "
+                         "%d); nothing to replace", slot.rank, failure.pid, status)
+            return
         if self._job_still_trains() and self.restarts_left > 0:
             self.restarts_left -= 1
             _log.warning("smddp launch: rank %d (pid %d) failed with status %d; starting a replacement "
@@ -247,9 +256,14 @@ class Launcher:
         return sum(int(v) for v in self.store.multi_get(keys))
 
     def _job_still_trains(self) -> bool:
-        """A successor is started only into a job that trains: once a rank finished with 0 the
-        job is ending, and with no rank left there is no one to admit it."""
-        return self.succeeded_at is None and self._alive_in_job() > 0
+        """A successor is started only into a job that trains: once a rank finished with 0, or a
+        member on any host marked the job finished, the job is ending, and with no rank left
+        there is no one to admit it."""
+        return self.succeeded_at is None and self._alive_in_job() > 0 and not self._job_finished()
+
+    def _job_finished(self) -> bool:
+        """A member marked the job finished in the store (SurvivingSync.close, or its clean exit)."""
+        return finished(job_store(self.store, _RESTART_COUNT)) is not None
 
     def _too_few(self) -> bool:
         return self.succeeded_at is None and self._alive_in_job() < self.args.min_world_size
