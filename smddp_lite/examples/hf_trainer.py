@@ -59,6 +59,10 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"Trainer on {args.backend}: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     _outcome.write(args.out, losses, model)
+    # on gloo, the group's worker thread may still be releasing the last call's tensors, which takes
+    # the GIL; torch's ProcessGroupGloo teardown (when the Trainer's DDP wrapper goes) joins that
+    # thread while holding it, and hung twice in 6 runs under load. A barrier runs after that release
+    dist.barrier()
     dist.destroy_process_group()
 
 
