@@ -3,6 +3,8 @@ buckets still overlapping backward, the same training as without it."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from . import harness
@@ -38,7 +40,6 @@ def test_a_changed_input_shape_is_named_once_and_debug_shows_graph_breaks_and_re
     assert "Recompiling" in loud.output, loud.output
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own, as torch.compile imports inductor
 def test_a_model_compiled_whole_is_warned_of_since_no_bucket_can_overlap_its_backward():
     import torch
 
@@ -47,6 +48,9 @@ def test_a_model_compiled_whole_is_warned_of_since_no_bucket_can_overlap_its_bac
     from .compile_graph_programs import Net
 
     module = Net()
+    with warnings.catch_warnings():  # inductor's first import warns of torch's own deprecations
+        warnings.simplefilter("ignore", DeprecationWarning)
+        whole = torch.compile(module)
     with pytest.warns(UserWarning, match=r"compile'd as a whole.*model\._orig_mod.*torch_compile=True"):
-        smddp_lite.compile(torch.compile(module), torch.optim.AdamW(module.parameters()), torch_compile=True)
+        smddp_lite.compile(whole, torch.optim.AdamW(module.parameters()), torch_compile=True)
     assert not any("forward" in vars(m) for m in module.modules()), "the whole model's own graph stands"
