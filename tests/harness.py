@@ -9,6 +9,7 @@ worker under ``mpiexec`` with no RANK/WORLD_SIZE, the way MPI users launch. Each
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -155,10 +156,34 @@ def run_as_user(command: list[str], *, cwd, timeout: float, env: dict[str, str] 
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # a launcher may start its ranks in sessions of their own: kill its whole tree first, or a
+        # hung rank would hold the pipes open and the communicate() below would wait for good
+        for pid in _descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(f"{' '.join(command)} did not finish in {timeout} s:\n{out}\n{err}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (from /proc), children first found first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def mpiexec() -> str | None:

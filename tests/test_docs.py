@@ -243,7 +243,8 @@ def test_framework_command_is_the_one_test_frameworks_runs(where):
     prefix = "torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples."
     assert source.startswith(prefix) and "\n" not in source, source
     example, *flags = source[len(prefix):].split()
-    assert example in test_frameworks.EXAMPLES, f"{where}: tests/test_frameworks.py does not run {example}"
+    assert example in test_frameworks.EXAMPLES or example in test_frameworks.COMPILED_STEP_EXAMPLES, \
+        f"{where}: tests/test_frameworks.py does not run {example}"
     if flags:  # its other tests run the compiled ones with --compile, and the compiled step's routes
         assert (flags == ["--compile"] and example in test_frameworks.COMPILED
                 or flags == ["--compiled-step"] and example in test_frameworks.COMPILED_STEP), \

@@ -5,7 +5,6 @@ refused by name by transformers' TrainingArguments).
 
     torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.hf_trainer
     torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.hf_trainer --compile   # torch_compile=True
-    torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.hf_trainer --compiled-step
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ class Sentences(torch.utils.data.Dataset):
 
 
 def main() -> None:
-    args = _outcome.arguments(__doc__, compiled_step=True, accumulate=True)
+    args = _outcome.arguments(__doc__)
     smddp_lite.init(backend=args.backend)  # before TrainingArguments: the Trainer uses this group
     torch.manual_seed(0)
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -46,23 +45,13 @@ def main() -> None:
         training = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=4, max_steps=args.steps,
                                      learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
                                      use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
-                                     ddp_find_unused_parameters=False, torch_compile=args.compile,
-                                     gradient_accumulation_steps=args.accumulate)
-        if args.compiled_step:  # smddp_lite.compile's buckets and fused AdamW, in the Trainer's own loop
-            from smddp_lite.hf_trainer import CompiledStepTrainer
-
-            trainer = CompiledStepTrainer(model=model, args=training, train_dataset=Sentences(64))
-        else:
-            trainer = Trainer(model=model, args=training, train_dataset=Sentences(64))
+                                     ddp_find_unused_parameters=False, torch_compile=args.compile)
+        trainer = Trainer(model=model, args=training, train_dataset=Sentences(64))
         trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if dist.get_rank() == 0:
         print(f"Trainer on {args.backend}: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     _outcome.write(args.out, losses, model)
-    # on gloo, the group's worker thread may still be releasing the last call's tensors, which takes
-    # the GIL; torch's ProcessGroupGloo teardown (when the Trainer's DDP wrapper goes) joins that
-    # thread while holding it, and hung twice in 6 runs under load. A barrier runs after that release
-    dist.barrier()
     dist.destroy_process_group()
 
 

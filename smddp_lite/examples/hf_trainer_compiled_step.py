@@ -1,0 +1,44 @@
+"""The Hugging Face Trainer with the compiled step (``smddp_lite.hf_trainer.CompiledStepTrainer``):
+the tiny BERT of ``hf_trainer.py``, its optimizer built by ``smddp_lite.compile``.
+
+    torchrun --standalone --nproc-per-node 2 -m smddp_lite.examples.hf_trainer_compiled_step
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+import torch.distributed as dist
+from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+
+import smddp_lite
+from smddp_lite.examples import _outcome
+from smddp_lite.examples.hf_trainer import Sentences
+from smddp_lite.hf_trainer import CompiledStepTrainer
+
+
+def main() -> None:
+    args = _outcome.arguments(__doc__, accumulate=True)
+    smddp_lite.init(backend=args.backend)  # before TrainingArguments: the Trainer uses this group
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, num_labels=2)
+    model = BertForSequenceClassification(config)
+    with tempfile.TemporaryDirectory() as output_dir:
+        training = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=4, max_steps=args.steps,
+                                     learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
+                                     use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+                                     gradient_accumulation_steps=args.accumulate)
+        trainer = CompiledStepTrainer(model=model, args=training, train_dataset=Sentences(64))
+        trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    if dist.get_rank() == 0:
+        print(f"Trainer with the compiled step on {args.backend}: {len(losses)} steps, "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    _outcome.write(args.out, losses, model)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
