@@ -10,21 +10,23 @@ average with the gradients they still hold, and return. The caller applies the o
 as usual: every live rank applies the same gradients at every step.
 
 Why a step can never be applied by one rank and not another: the gradients are averaged in a
-buffer of their own, and ``param.grad`` is written only once the average has arrived. A rank
-whose average arrived may already be computing the next step when another rank's average of the
-same step failed (the last piece of an all_reduce reached one and not the other); it cannot be
-further ahead, since its average needed every rank's gradients. So after a loss the survivors
-compare steps: those a step ahead still hold the average the others missed (the last two
-averages are kept), send it to them, and everyone goes on from the next step's sync together.
+buffer of their own, and ``param.grad`` is written only once the average has arrived and the
+step has committed (one more small call, ``_commit``, which completes only once every member's
+average arrived). A rank lost between its average and the commit never applies the step. A rank
+whose commit returned may already be computing the next step when another rank's commit failed;
+it cannot be further ahead. So after a loss the survivors compare steps: those a step ahead
+still hold the average the others missed (the last two averages are kept), send it to them, and
+everyone goes on from the next step's sync together.
 
-Who is left: each rank checks in under the new generation's keys when its call fails, and a
-thread beats a counter in the store every half second and reads the members' counters four
-times a second (from the member's first beat: making a ``SurvivingSync`` waits until every
-member has made its own); a member whose counter stood still for ``stale_after`` is declared lost
-at once, whatever the group's timeout (``ProcessGroupSMDDP.interrupt``). The survivors wait until every rank of
-the old group has checked in or has a counter that stood still for ``stale_after``; the first
-to decide writes the members with a compare-and-set, and everyone adopts that list. A rank that
-checks in later (it was stopped, or its network came back) finds itself missing and raises
+Who is in the job: smddp_lite/membership/. Every change of members (a loss, an admission) is a
+generation whose members one compare-and-set in the store decides (``generations.py``); every
+rank adopts it, enters it through a barrier that ends on a stale heartbeat, makes the default
+group again under the generation's prefix (every transport is rebuilt by the group's own
+rendezvous), and settles (``_settle``): the interrupted step, and the job's state for the
+replacements. Each rank's heartbeat (``heartbeat.py``) is a counter beaten by a process of its
+own; a member whose counter stood still for ``stale_after`` is declared lost at once, whatever
+the group's timeout (``ProcessGroupSMDDP.interrupt``). A rank that checks in after the others
+decided (it was stopped, or its network came back) finds itself missing and raises
 ``RankDeclaredLostError``, never joining silently.
 
 A DistributedDataParallel model keeps its buckets: smddp_lite/surviving_ddp.py reduces them
@@ -33,18 +35,18 @@ during backward, and ``sync()`` settles the step the same way, bucket by bucket.
 Growing back: a replacement process (the same script, started by the user's launcher) makes its
 ``SurvivingSync`` before any process group exists (or in the group of one that
 ``smddp_lite.init()`` makes in a replacement ``smddp_lite.launch`` started); finding the job running in the store, it
-takes a ticket and waits. The heartbeat threads read the ticket count, rank 0 adds it to the
-gradient average (one element more, at no cost of a call), so every member learns of the
-newcomer in the same step; at the start of the next ``sync()`` they admit it: the group is made
-again with the newcomer last, and rank 0 sends it the parameters, the optimizer's state and the
-step count. The newcomer then trains that step with the others.
+starts its heartbeat, takes a ticket and waits. The heartbeat threads read the ticket count,
+rank 0 adds it to the gradient average (one element more, at no cost of a call), so every member
+learns of the newcomer in the same step; at the start of the next ``sync()`` rank 0 writes the
+next generation with the newcomers whose heartbeats move, and the healer (the first member of
+the furthest step) sends each newcomer the job's state, peer to peer (surviving_state.py). The
+newcomer then trains that step with the others.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,34 +58,29 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .backend import before_exit
 from .backend.errors import CollectiveMismatchError, SMDDPError
-from .job_store import RUNNING, finished, job_store, mark_finished, root_store, running_job_store
 from .launch import init, standing_by
+from .membership.errors import (  # HeartbeatStoppedError: raised here through the heartbeat, caught by users
+    HeartbeatStoppedError,  # noqa: F401
+    JobFinishedError,
+    RankDeclaredLostError,
+    TooFewRanksError,
+)
+from .membership.heartbeat import LOOK_S, Heartbeat, said
+from .membership import generations
+from .membership.job_store import (
+    RUNNING,
+    JobStore,
+    finished,
+    job_store,
+    mark_finished,
+    root_store,
+    running_job_store,
+)
+from . import surviving_state
 from .sampling import ElasticSampler
 from .surviving_ddp import DDPBuckets, refuse_wrappers_that_cannot_survive
 
 _log = logging.getLogger("smddp_lite")
-
-_BEAT_S = 0.5  # how often a rank adds to its counter
-_LOOK_S = 0.25  # how often it reads the others': a stale counter is seen within this of stale_after
-
-
-class RankDeclaredLostError(SMDDPError):
-    """This rank was declared lost by the others (it did not check in before they decided who is
-    left) and may not rejoin: the group went on without it."""
-
-
-class HeartbeatStoppedError(RankDeclaredLostError):
-    """This rank's heartbeat thread stopped (its store client failed): the others no longer hear
-    it and declare it lost once ``stale_after`` passes, so it may not train on."""
-
-
-class JobFinishedError(SMDDPError):
-    """A replacement found the job it was started for finished: there is nothing to join."""
-
-
-class TooFewRanksError(SMDDPError):
-    """Fewer ranks are left than ``min_world_size``: the job stops rather than train on."""
-
 
 @dataclass(frozen=True)
 class Change:
@@ -164,8 +161,9 @@ class SurvivingSync:
         self.stale_after_s = stale_after.total_seconds()
         self.generation = 0
         self.step = 0  # the next sync's number
-        self._tickets_admitted = 0
+        self._tickets_considered = 0  # admitted or refused, as the last generation's record says
         self._tickets_seen = 0  # as the group learnt it from rank 0, in the last average
+        self._holds_state = True  # False in a replacement until a member sent it the job's state
         by_dtype: dict[torch.dtype, int] = {}
         for p in self.params:
             by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
@@ -177,6 +175,7 @@ class SurvivingSync:
         self._averages = [{dtype: torch.zeros(n + (dtype == self._carrier), dtype=dtype, device=device)
                            for dtype, n in by_dtype.items()} for _ in range(2)]
         self._control = None if self._carrier else torch.zeros(1, dtype=torch.float32, device=device)
+        self._commit_flag = torch.zeros(1, dtype=torch.int32, device=device)
         self._buckets: DDPBuckets | None = None
         if isinstance(model, DistributedDataParallel):
             self._buckets = DDPBuckets(model, tickets=lambda: self._heart.tickets, step=lambda: self.step)
@@ -193,12 +192,14 @@ class SurvivingSync:
         self._base_store = job_store(root_store(dist.distributed_c10d._get_default_store()))
         self.members: tuple[int, ...] = tuple(range(dist.get_world_size()))
         self.first_rank = dist.get_rank()  # this rank's id for good
-        self._heart = _Heartbeat(self._base_store, self.first_rank, self.stale_after_s, self._found_stale)
+        self._heart = Heartbeat(self._base_store, self.first_rank, self.stale_after_s, self._found_stale,
+                                self._interrupt)
         # each member is watched from its first beat: a rank still building its model or loading
         # its data when the others start watching (seconds apart on a loaded machine) is late, not lost
         self._heart.wait_for_first_beats(self.members, self._timeout)
         self._heart.watch(self.members)
-        self._base_store.set("first_world", str(dist.get_world_size()))
+        self._first_world = dist.get_world_size()
+        self._base_store.set("first_world", str(self._first_world))
         self._base_store.set("how", f"{self._backend},{self._timeout}")
         self._base_store.set(RUNNING, "1")
         before_exit.stop_at_exit(self._finish_at_exit)
@@ -241,16 +242,21 @@ class SurvivingSync:
         if self._buckets is not None:  # a survivor a step ahead may still send the one before
             self._buckets.flat_steps.intersection_update({self.step - 1, self.step - 2})
 
+    def _admission_due(self) -> bool:
+        return self._tickets_seen > self._tickets_considered
+
     def _sync_flat(self) -> None:
         while True:
             try:
-                if self._tickets_seen > self._tickets_admitted and self._buckets is None:
-                    self._admit()  # (DDP's are admitted before the forward: _before_forward)
+                # (DDP's are admitted before the forward: _before_forward)
+                if self._admission_due() and self._buckets is None and self._change(in_sync=True):
+                    return  # (a generation that settled this step: it cannot, for a rank that admits)
                 self._average(self.step)
+                self._commit()
             except CollectiveMismatchError:
                 raise  # every rank is alive and called something else: a bug to fix, not a loss
             except dist.DistError as failure:
-                if self._recover(failure):
+                if self._change(failure, in_sync=True):
                     return  # the average of this step came from a survivor a step ahead
                 continue  # redo this step's sync in the new group
             self._unpack(self.step)
@@ -262,18 +268,26 @@ class SurvivingSync:
         left and average the kept buckets again, or take a survivor's that is a step ahead."""
         buckets = self._buckets
         failure = buckets.finish()
+        if failure is None:
+            failure = self._commit_or_failure()
         while failure is not None:
             if isinstance(failure, CollectiveMismatchError):
                 raise failure  # every rank is alive and called something else: a bug to fix, not a loss
-            if self._recover(failure):  # (which raises what ends this rank's part in the job)
+            if self._change(failure, in_sync=True):  # (which raises what ends this rank's part in the job)
                 return  # the average of this step came from a survivor a step ahead
+            if self.step in buckets.flat_steps:  # replacements came in: they average this step flat
+                buckets.restore_local_gradients()
+                self._sync_flat()
+                return
             try:
-                self._tickets_seen = max(self._tickets_seen, buckets.reduce_again(self.step))
+                tickets = buckets.reduce_again(self.step)
+                self._commit()
             except CollectiveMismatchError:
                 raise
             except dist.DistError as again:  # another rank lost during the redo
                 failure = again
                 continue
+            self._tickets_seen = max(self._tickets_seen, tickets)
             self.step += 1
             return
         self._tickets_seen = max(self._tickets_seen, buckets.arrived(self.step))
@@ -281,11 +295,28 @@ class SurvivingSync:
 
     def _before_forward(self, _module: torch.nn.Module, _inputs: object) -> None:
         """With DDP, replacements are admitted before the forward of the step they train, since
-        its backward reduces the buckets. That step is averaged flat: a new DDP's first bucket
-        layout differs from the others', and every rank rebuilds its layout at the next forward."""
-        if self._tickets_seen > self._tickets_admitted:
-            self._admit()
-            self._buckets.flat_steps.add(self.step)
+        its backward reduces the buckets. That step is averaged flat (``_settle``): a new DDP's
+        first bucket layout differs from the others', and every rank rebuilds its layout at the
+        next forward."""
+        if self._admission_due():
+            self._change()
+
+    def _commit(self) -> None:
+        """The step's commit: a call each member makes only once its average arrived. A rank
+        applies a step only after it, so a rank that received the average and was then lost
+        (stopped, cut off) before every member had it never applies a step the others redo
+        without it; a member whose commit returned is a step ahead, and the others, whose
+        averages had all arrived, take the step from it after a loss (``_settle``)."""
+        dist.all_reduce(self._commit_flag)
+
+    def _commit_or_failure(self) -> BaseException | None:
+        try:
+            self._commit()
+        except CollectiveMismatchError:
+            raise
+        except dist.DistError as failure:
+            return failure
+        return None
 
     # one step -----------------------------------------------------------------------------------
     def _average(self, step: int) -> None:
@@ -326,24 +357,30 @@ class SurvivingSync:
             offsets[p.dtype] = at + p.numel()
 
     # growing back -------------------------------------------------------------------------------
-    def _join(self, store: dist.Store, timeout: timedelta | None) -> None:
-        """This process is a replacement: take a ticket, wait to be admitted, and take the job's
-        state from rank 0."""
+    def _join(self, store: JobStore, timeout: timedelta | None) -> None:
+        """This process is a replacement: take a ticket, wait to be admitted (the ticket counts
+        only while this process's heartbeat moves), then enter the generation that admitted it
+        and take the job's state from a member."""
         started = time.monotonic()
         self._base_store = store
         self._refuse_a_finished_job(store)
-        ticket = store.add("tickets", 1)
-        self.first_rank = int(store.get("first_world")) + ticket - 1
+        self._first_world = int(store.get("first_world"))
+        self.first_rank = self._first_world + store.add("ids", 1) - 1
+        self._holds_state = False
         backend, timeout_s = store.get("how").decode().split(",")
         self._backend, self._timeout = backend, float(timeout_s)
-        self._heart = _Heartbeat(store, self.first_rank, self.stale_after_s, self._found_stale)
-        key = f"admit/{ticket}"
+        self._heart = Heartbeat(store, self.first_rank, self.stale_after_s, self._found_stale, self._interrupt)
+        # the ticket is taken once this process beats: from then on a ticket's heartbeat moves
+        # unless its process died, which the members see before admitting it
+        ticket = store.add("tickets", 1)
+        store.set(f"ticket/{ticket}", str(self.first_rank))
+        key = f"admit/{self.first_rank}"
         wait = (timeout or timedelta(seconds=max(self._timeout, 60))).total_seconds()
         deadline = time.monotonic() + wait
         looked = time.monotonic()
         while not store.check([key]):
             self._heart.raise_if_stopped()
-            if time.monotonic() - looked > _LOOK_S:  # the job may end while this one waits
+            if time.monotonic() - looked > LOOK_S:  # the job may end while this one waits
                 looked = time.monotonic()
                 self._refuse_a_finished_job(store)
             if time.monotonic() > deadline:
@@ -352,19 +389,18 @@ class SurvivingSync:
                     f"SurvivingSync: this replacement (id {self.first_rank}) was not admitted within {wait:.0f} s. "
                     "The job's ranks admit a replacement at their next sync(); is the job still training?")
             time.sleep(0.02)
-        generation, members = store.get(key).decode().split(";")
-        self.generation, self.members = int(generation), _parse(members)
-        self._heart.watch(self.members)
+        said_ = store.get(key).decode()
+        if said_.startswith("refused"):
+            self._heart.stop()
+            raise SMDDPError(
+                f"SurvivingSync: the job's rank 0 refused this replacement (id {self.first_rank}): {said_[8:]}. "
+                "Start it again; a replacement must keep its heartbeat (made with SurvivingSync) beating while "
+                "it waits.")
+        generation, record = said_.split("/", 1)
+        members, tickets = generations.parse(record)
+        self.generation, self.members = int(generation) - 1, ()
         before_exit.stop_at_exit(self._finish_at_exit)
-        self._rebuild(self.members, self.generation, admitted=True)
-        self._receive_state()
-        if self._buckets is not None:  # its first step is averaged flat, as _before_forward says
-            self._buckets.flat_steps.add(self.step)
-        change = Change(self.generation, (), (self.first_rank,), self.members, dist.get_rank(),
-                        dist.get_world_size(), self.step, time.monotonic() - started, self.step)
-        _log.warning("smddp: joined as rank %d of %d at sync %d, %.2f s after starting", change.rank,
-                     change.world_size, change.step, change.seconds)
-        self._tell(change)
+        self._change(adopted=(members, tickets), started=started)
 
     def _refuse_a_finished_job(self, store: dist.Store) -> None:
         done = finished(store)
@@ -378,27 +414,34 @@ class SurvivingSync:
             f"training after sync {step}), so there is nothing to join; this process ends here. To train "
             "further, start a new job (from its last checkpoint).")
 
-    def _admit(self) -> None:
-        """Every member, at the same sync: make the group again with the waiting replacements last,
-        and send them the job's state."""
-        started = time.monotonic()
-        first_world = int(self._base_store.get("first_world"))
-        tickets = range(self._tickets_admitted + 1, self._tickets_seen + 1)
-        joined = tuple(first_world + t - 1 for t in tickets)
-        members, generation = self.members + joined, self.generation + 1
-        if dist.get_rank() == 0:
-            for t in tickets:
-                self._base_store.set(f"admit/{t}", f"{generation};{','.join(map(str, members))}")
-        self._tickets_admitted = self._tickets_seen
-        self.members, self.generation = members, generation
-        self._heart.watch(members)
-        self._rebuild(members, generation, admitted=True)
-        self._send_state()
-        change = Change(generation, (), joined, members, dist.get_rank(), dist.get_world_size(), self.step,
-                        time.monotonic() - started, self.step)
-        _log.warning("smddp: admitted %s at sync %d; %d ranks now (this one is rank %d), %.2f s",
-                     _said(joined), self.step, change.world_size, change.rank, change.seconds)
-        self._tell(change)
+    def _propose_admission(self, generation: int) -> None:
+        """Rank 0, at the sync where every member learnt of new tickets: write the next
+        generation's members with the replacements whose heartbeats move; the others are refused."""
+        ids = []
+        for t in range(self._tickets_considered + 1, self._tickets_seen + 1):
+            try:  # written just after the ticket: missing only where the replacement died in between
+                self._base_store.wait([f"ticket/{t}"], timedelta(seconds=self.stale_after_s))
+            except dist.DistStoreError:
+                continue
+            ids.append(int(self._base_store.get(f"ticket/{t}")))
+        alive = generations.lease(self._base_store, self._heart, ids, wait_s=2 * self.stale_after_s + 1)
+        held = generations.propose(self._base_store, generation, self.members + tuple(alive), self._tickets_seen)
+        if held[1] != self._tickets_seen:
+            return  # a loss took this generation first: the tickets wait for the next sync
+        for i in ids:
+            if i not in alive:
+                self._base_store.set(f"admit/{i}", f"refused: its heartbeat did not move for {self.stale_after_s:g} "
+                                                   "s after it took its ticket")
+                _log.warning("smddp: refused replacement %d: its heartbeat stood still (it died after taking its "
+                             "ticket)", i)
+
+    def _announce(self, generation: int, members: tuple[int, ...]) -> None:
+        """Tell the replacements among ``members`` that this generation admits them (every member
+        writes it, so that the admission holds even where rank 0 dies right after deciding it)."""
+        said_ = f"{generation}/{generations.record(members, self._tickets_considered)}"
+        for i in members:
+            if i >= self._first_world and i not in self.members:
+                self._base_store.set(f"admit/{i}", said_)
 
     def _tell(self, change: Change) -> None:
         if self.sampler is not None:
@@ -406,69 +449,86 @@ class SurvivingSync:
         if self.on_change is not None:
             self.on_change(change)
 
-    def _send_state(self) -> None:
-        state = [{"step": self.step, "tickets": self._tickets_admitted,
-                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                  "sampler": self.sampler.state_dict() if self.sampler is not None else None}]
-        dist.broadcast_object_list(state, src=0)
-        with torch.no_grad():
-            for t in self.params + self.buffers:
-                dist.broadcast(t.data, src=0)
-
-    def _receive_state(self) -> None:
-        state = [None]
-        dist.broadcast_object_list(state, src=0)
-        with torch.no_grad():
-            for t in self.params + self.buffers:
-                dist.broadcast(t.data, src=0)
-        self.step = state[0]["step"]
-        self._tickets_admitted = self._tickets_seen = state[0]["tickets"]
-        if self.optimizer is not None and state[0]["optimizer"] is not None:
-            self.optimizer.load_state_dict(state[0]["optimizer"])
-        if self.sampler is not None and state[0]["sampler"] is not None:
-            self.sampler.load_state_dict(state[0]["sampler"])
-            self.sampler.me = self.first_rank
-
-    # after a loss -------------------------------------------------------------------------------
-    def _recover(self, failure: BaseException) -> bool:
-        """Agree on who is left, make the new group, and settle the interrupted step; again if a
-        rank is lost meanwhile. True when this rank's step was settled by a survivor's average
-        (the caller returns), False when the step's sync is to be redone in the new group."""
+    # every change of members --------------------------------------------------------------------
+    def _change(self, failure: BaseException | None = None, adopted: tuple[tuple[int, ...], int] | None = None,
+                started: float | None = None, in_sync: bool = False) -> bool:
+        """Go to the next generation: after ``failure`` (a loss), to admit replacements (no
+        failure, at the start of a sync where tickets are due), or, in a replacement, into the
+        generation that admitted it (``adopted``). Agree on its members, enter it, make the group,
+        settle the interrupted step and send the replacements the job's state; again if a member
+        is lost meanwhile. True when this rank's step was settled by a survivor's average (the
+        caller returns), False when the step's sync is to be redone in the new group."""
         if isinstance(failure, (RankDeclaredLostError, TooFewRanksError)):
             raise failure
-        started, first, interrupted = time.monotonic(), self.members, self.step
+        self._heart.raise_if_stopped()  # the others no longer hear this rank: it may not check in
+        started = started if started is not None else time.monotonic()
+        before, interrupted, record = self.members, self.step, adopted
+        admitting = failure is None and adopted is None
         while True:
             generation = self.generation + 1
-            members = self._agree_on_members(self.members, generation)
-            lost = tuple(r for r in first if r not in members)
-            if self.first_rank not in members:
-                self._heart.stop()
-                raise RankDeclaredLostError(
-                    f"[smddp rank {self.first_rank}] SurvivingSync: the other ranks declared this rank lost and "
-                    f"went on as generation {generation} without it (members {list(members)}): it did not check "
-                    f"in after the failure ({failure}). A lost rank cannot rejoin: end this process.")
-            if len(members) < self.min_world_size:
-                self._heart.stop()
-                raise TooFewRanksError(
-                    f"[smddp rank {self.first_rank}] SurvivingSync: {len(members)} ranks are left after losing "
-                    f"{_said(lost)}, fewer than min_world_size={self.min_world_size}; the job stops here. "
-                    f"Restart it from a checkpoint, or lower min_world_size to train on with fewer ranks.")
+            if record is None:
+                if admitting and dist.get_rank() == 0:
+                    self._propose_admission(generation)
+                deadline = max(self._timeout, 4 * self.stale_after_s)
+                record = generations.agree(self._base_store, self._heart, self.first_rank, self.members, generation,
+                                           self.step, self._tickets_considered, deadline)
+            members, tickets = record
+            record, admitting = None, False
+            self._check_membership(members, generation, failure, before)
+            self._tickets_considered = tickets
+            self._announce(generation, members)
             self.members, self.generation = members, generation
             self._heart.watch(members)
             try:
-                self._rebuild(members, generation, admitted=False)
-                settled = self._settle_interrupted_step()
-            except dist.DistError as again:  # another rank lost while the group was remade
+                generations.barrier(self._base_store, self._heart, self.first_rank, generation, members,
+                                    self._timeout)
+                self._rebuild(members, generation)
+                settled, newcomers = self._settle()
+            except CollectiveMismatchError:
+                raise
+            except dist.DistError as again:  # another rank lost while the group was made
                 failure = again
                 continue
             break
-        change = Change(generation, lost, (), members, dist.get_rank(), dist.get_world_size(), interrupted,
-                        time.monotonic() - started, self._first_new_step)
-        _log.warning("smddp: lost %s; going on with %d ranks (this one is now rank %d), %.2f s after the "
-                     "failure at sync %d: %s", _said(lost), change.world_size, change.rank, change.seconds,
-                     change.step, failure)
+        if self._buckets is not None:
+            # replacements build their first bucket layout at their next forward; every rank must
+            # rebuild its own at the same forward (the one after the step they join), which DDP
+            # arranges for a rank that has not run that step's backward yet. A rank that redoes
+            # the step inside sync() ran it after the admission's generation had arranged it.
+            self._buckets.regrouped(admitted=bool(newcomers) and (settled or not in_sync))
+        lost = tuple(r for r in before if r not in members)
+        # (a replacement knew no members before: it and those admitted with it joined)
+        joined = tuple(members[r] for r in newcomers) if not before else tuple(r for r in members if r not in before)
+        change = Change(generation, lost, joined, members, dist.get_rank(), dist.get_world_size(),
+                        interrupted if before else self.step, time.monotonic() - started, self._first_new_step)
+        if not before:
+            _log.warning("smddp: joined as rank %d of %d at sync %d, %.2f s after starting", change.rank,
+                         change.world_size, self.step, change.seconds)
+        else:
+            what = "; ".join(f"{w} {said(r)}" for w, r in (("lost", lost), ("admitted", joined)) if r)
+            _log.warning("smddp: %s; %d ranks now (this one is rank %d), %.2f s after %s at sync %d%s",
+                         what or "the group made again with the same members (no replacement admitted)",
+                         change.world_size, change.rank, change.seconds,
+                         "the failure" if failure is not None else "the admission began", interrupted,
+                         f": {failure}" if failure is not None else "")
         self._tell(change)
         return settled
+
+    def _check_membership(self, members: tuple[int, ...], generation: int, failure: BaseException | None,
+                          before: tuple[int, ...]) -> None:
+        if self.first_rank not in members:
+            self._heart.stop()
+            raise RankDeclaredLostError(
+                f"[smddp rank {self.first_rank}] SurvivingSync: the other ranks declared this rank lost and "
+                f"went on as generation {generation} without it (members {list(members)}): it did not check "
+                f"in after the failure ({failure}). A lost rank cannot rejoin: end this process.")
+        if len(members) < self.min_world_size:
+            self._heart.stop()
+            lost = tuple(r for r in before if r not in members)
+            raise TooFewRanksError(
+                f"[smddp rank {self.first_rank}] SurvivingSync: {len(members)} ranks are left after losing "
+                f"{said(lost)}, fewer than min_world_size={self.min_world_size}; the job stops here. "
+                f"Restart it from a checkpoint, or lower min_world_size to train on with fewer ranks.")
 
     def _found_stale(self, ranks: tuple[int, ...], stood_s: float) -> None:
         """On the heartbeat's thread: members stopped beating. End the call this rank waits in
@@ -476,14 +536,19 @@ class SurvivingSync:
         from a death, and the agreement leaves those ranks out."""
         if not set(ranks) & set(self.members):
             return
-        reason = (f"{_said(ranks)} stopped beating (its heartbeat stood still for {stood_s:.1f} s, past "
+        reason = (f"{said(ranks)} stopped beating (its heartbeat stood still for {stood_s:.1f} s, past "
                   f"stale_after={self.stale_after_s:g} s): SurvivingSync declares it lost (it is stopped, hung or "
                   "cut off)")
         _log.warning("smddp: %s", reason)
+        self._interrupt(reason)
+
+    def _interrupt(self, reason: str) -> None:
+        """End the call this rank waits in, saying ``reason`` (on the heartbeat's thread: a member
+        stopped beating, or this rank's own heartbeat did, which the recovery then raises)."""
         try:
             backend = dist.group.WORLD._get_backend(torch.device("cpu"))
         except (RuntimeError, AttributeError, ValueError) as exc:  # between groups: the agreement sees it
-            _log.debug("smddp: no group to interrupt for the stale rank: %r", exc)
+            _log.debug("smddp: no group to interrupt: %r", exc)
             return
         interrupt = getattr(backend, "interrupt", None)
         if interrupt is None:  # another backend: its calls end at the group's timeout
@@ -492,182 +557,77 @@ class SurvivingSync:
             return
         interrupt(reason)
 
-    def _agree_on_members(self, old: tuple[int, ...], generation: int) -> tuple[int, ...]:
-        store, key = self._base_store, f"{generation}"
-        store.set(f"{key}/in/{self.first_rank}", str(self.step))
-        decided_key = f"{key}/members"
-        deadline = time.monotonic() + max(self._timeout, 4 * self.stale_after_s)
-        while True:
-            if store.check([decided_key]):
-                return _parse(store.get(decided_key))
-            checked_in = [r for r in old if store.check([f"{key}/in/{r}"])]
-            # a busy rank (a long forward pass) keeps beating, and is waited for
-            waiting = [r for r in old if r not in checked_in and not self._heart.stale(r)]
-            if not waiting or time.monotonic() > deadline:
-                decided = _parse(store.compare_set(decided_key, "", ",".join(map(str, checked_in))))
-                return decided
-            time.sleep(0.05)
-
-    def _rebuild(self, members: tuple[int, ...], generation: int, admitted: bool) -> None:
-        try:
-            dist.destroy_process_group()
-        except Exception as exc:  # the old group met a dead peer: what it could not close is gone with it
-            _log.debug("smddp: the old group's teardown after a loss raised %r", exc)
+    def _rebuild(self, members: tuple[int, ...], generation: int) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # the old group met a dead peer: what it could not close is gone with it
+                _log.debug("smddp: the old group's teardown raised %r", exc)
         store = dist.PrefixStore(f"{generation}/group/", self._base_store)
         dist.init_process_group(self._backend, store=store, rank=members.index(self.first_rank),
                                 world_size=len(members), timeout=timedelta(seconds=self._timeout))
-        if self._buckets is not None:
-            self._buckets.regrouped(admitted)
 
-    def _settle_interrupted_step(self) -> bool:
-        """Every survivor's step, gathered: those a step behind take the average a rank ahead
-        still holds (True for them); everyone else redoes the sync of the step it is at."""
-        rows = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, torch.tensor([self.step, self._tickets_seen], dtype=torch.int64))
-        steps = [int(row[0]) for row in rows]
-        # a rank ahead finished the behind ones' step with the old members' average
-        self._first_new_step = max(steps)
-        # a rank a step ahead read the ticket count in the average the others missed
-        self._tickets_seen = max(int(row[1]) for row in rows)
-        behind = min(steps)
-        if max(steps) == behind:
-            return False
-        if max(steps) != behind + 1:  # an average needs every rank, so no rank can be two ahead
-            raise RuntimeError(f"SurvivingSync: survivors are at syncs {steps}, more than one apart; "
-                               "every rank must call sync() once per step")
-        holder = steps.index(behind + 1)
-        flat = self._buckets is None or behind in self._buckets.flat_steps
-        for average in (self._averages[behind % 2].values() if flat else self._buckets.averages(behind)):
-            dist.broadcast(average, src=holder)
-        if self.step == behind:
-            if flat:
-                self._unpack(behind)
-            else:
-                self._tickets_seen = max(self._tickets_seen, self._buckets.unpack(behind))
-            self.step += 1
-            return True
-        return False
+    def _settle(self) -> tuple[bool, list[int]]:
+        """In a new group: every member's step, gathered. Those a step behind take the average a
+        member ahead still holds (True for them: their sync is done); the replacements take the
+        job's state from that member; everyone else redoes the sync of the step it is at. Returns
+        that, and the replacements' ranks."""
+        rows = [torch.zeros(3, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, torch.tensor([self.step, self._tickets_seen, self._holds_state], dtype=torch.int64))
+        holders = [r for r, row in enumerate(rows) if row[2]]
+        newcomers = [r for r, row in enumerate(rows) if not row[2]]
+        if not holders:
+            raise RuntimeError("SurvivingSync: no member of the new group holds the job's state")
+        steps = {r: int(rows[r][0]) for r in holders}
+        ahead, behind = max(steps.values()), min(steps.values())
+        if ahead > behind + 1:  # an average needs every rank, so no rank can be two ahead
+            raise RuntimeError(f"SurvivingSync: survivors are at syncs {sorted(steps.values())}, more than one "
+                               "apart; every rank must call sync() once per step")
+        # a rank ahead finished the behind ones' step with the old members' average, and read
+        # the ticket count in it
+        self._first_new_step = ahead
+        self._tickets_seen = max(self._tickets_seen, max(int(row[1]) for row in rows))
+        healer = min(r for r in holders if steps[r] == ahead)
+        me = dist.get_rank()
+        settled = False
+        if ahead != behind:
+            flat = self._buckets is None or behind in self._buckets.flat_steps
+            averages = list(self._averages[behind % 2].values()) if flat else self._buckets.averages(behind)
+            if me == healer:
+                for r in holders:
+                    if steps[r] == behind:
+                        for average in averages:
+                            dist.send(average, r)
+            elif me in holders and steps[me] == behind:
+                for average in averages:
+                    dist.recv(average, healer)
+                if flat:
+                    self._unpack(behind)
+                else:
+                    self._tickets_seen = max(self._tickets_seen, self._buckets.unpack(behind))
+                self.step += 1
+                settled = True
+        if newcomers:
+            model = self.params + self.buffers
+            if me == healer:
+                surviving_state.send(newcomers, model, self.optimizer, self._state_extras())
+            elif me in newcomers:
+                self._take_state(surviving_state.receive(healer, model, self.optimizer))
+            if self._buckets is not None:  # a replacement's first bucket layout differs from the others'
+                self._buckets.flat_steps.add(ahead)
+        return settled, newcomers
 
+    def _state_extras(self) -> dict:
+        return {"step": self._first_new_step, "tickets": self._tickets_seen,
+                "sampler": self.sampler.state_dict() if self.sampler is not None else None}
 
-class _Heartbeat:
-    """A counter per rank in the store, added to every half second by a thread with its own store
-    client, which also reads the members' counters: a member whose counter stood still for
-    ``stale_after`` is dead, stopped or cut off, and ``on_stale`` hears of it at once (a death
-    is also seen by the calls themselves; a stopped rank only at the group's timeout). The
-    thread also reads how many replacements asked to join."""
-
-    def __init__(self, store: dist.PrefixStore, rank: int, stale_after_s: float,
-                 on_stale: Callable[[tuple[int, ...], float], None] | None = None) -> None:
-        self.store, self.rank, self.stale_after_s, self.on_stale = store, rank, stale_after_s, on_stale
-        self._stop = threading.Event()
-        self._beating_store = job_store(_own_client(store.underlying_store))
-        self._beating_store.add(self._key(rank), 1)
-        self.tickets = 0  # replacements that asked to join so far, as last read
-        self._lock = threading.Lock()
-        self._seen: dict[int, tuple[int, float]] = {}  # member -> (its count, when it last moved)
-        self._declared: set[int] = set()  # members on_stale was told of
-        self.failure: BaseException | None = None  # what ended the thread, where it ended unasked
-        self._all_beating = False  # every watched member's key exists (then one multi_get reads them)
-        self._thread = threading.Thread(target=self._beat, name="smddp-heartbeat", daemon=True)
-        self._thread.start()
-        before_exit.stop_at_exit(self.stop)
-
-    def _key(self, rank: int) -> str:
-        return f"beat/{rank}"
-
-    def wait_for_first_beats(self, members: Iterable[int], timeout_s: float) -> None:
-        """Until every one of ``members`` has beaten once, that is, made its SurvivingSync."""
-        members = tuple(members)
-        keys = [self._key(r) for r in members]
-        try:
-            self.store.wait(keys, timedelta(seconds=timeout_s))
-        except dist.DistStoreError as exc:
-            missing = [r for r, key in zip(members, keys) if not self.store.check([key])]
-            raise RuntimeError(
-                f"[smddp rank {self.rank}] SurvivingSync: {_said(tuple(missing))} made no SurvivingSync within "
-                f"the group's timeout ({timeout_s:g} s); every rank must make one, at the same point of its "
-                f"script") from exc
-
-    def watch(self, members: Iterable[int]) -> None:
-        """Read these ranks' counters from now on (this rank's own excepted); a rank watched
-        before keeps its count and the time it last moved."""
-        now = time.monotonic()
-        with self._lock:
-            self._seen = {r: self._seen.get(r, (-1, now)) for r in members if r != self.rank}
-            self._all_beating = False
-
-    def stale(self, rank: int) -> bool:
-        """Whether watched ``rank``'s counter stood still for ``stale_after`` (as of the last look)."""
-        with self._lock:
-            since = self._seen.get(rank, (-1, time.monotonic()))[1]
-        return time.monotonic() - since >= self.stale_after_s
-
-    def _beat(self) -> None:
-        next_beat = time.monotonic() + _BEAT_S
-        while not self._stop.wait(_LOOK_S):
-            try:
-                if time.monotonic() >= next_beat:
-                    self._beating_store.add(self._key(self.rank), 1)
-                    self.tickets = self._beating_store.add("tickets", 0)
-                    next_beat = time.monotonic() + _BEAT_S
-                self._look()
-            except Exception as exc:
-                # the store's host is gone (at the job's end, where a rank hosts it) or this
-                # rank's client failed: the next sync() raises rather than train on unheard
-                self.failure = exc
-                _log.debug("smddp: the heartbeat stopped: %r", exc)
-                return
-
-    def beating(self) -> bool:
-        """The thread runs: not stopped (as a rank declared lost is) and not ended on an error."""
-        return not self._stop.is_set() and self.failure is None
-
-    def raise_if_stopped(self) -> None:
-        """Raise ``HeartbeatStoppedError`` where the thread ended on an error."""
-        if self.failure is not None:
-            raise HeartbeatStoppedError(
-                f"[smddp rank {self.rank}] SurvivingSync: this rank's heartbeat stopped ({self.failure!r}), so the "
-                f"other ranks no longer hear it and declare it lost once stale_after ({self.stale_after_s:g} s) "
-                "passes. A lost rank cannot rejoin: end this process (smddp_lite.launch with --max-restarts starts "
-                "a replacement). Is the rendezvous store still up, and reachable from this host?") from self.failure
-
-    def _look(self) -> None:
-        with self._lock:
-            ranks = list(self._seen)
-            all_beating = self._all_beating
-        if not ranks:
-            return
-        keys = [self._key(r) for r in ranks]
-        if not all_beating:  # multi_get would wait for a key that no beat made yet
-            all_beating = self._beating_store.check(keys)
-        counts = [int(c) for c in self._beating_store.multi_get(keys)] if all_beating else [
-            self._beating_store.add(k, 0) for k in keys]
-        now, stale, stood = time.monotonic(), [], 0.0
-        with self._lock:
-            self._all_beating = all_beating or self._all_beating
-            for r, count in zip(ranks, counts):
-                if r not in self._seen:  # no longer watched
-                    continue
-                if count != self._seen[r][0]:
-                    self._seen[r] = (count, now)
-                elif now - self._seen[r][1] >= self.stale_after_s and r not in self._declared:
-                    self._declared.add(r)
-                    stale.append(r)
-                    stood = max(stood, now - self._seen[r][1])
-        if stale and self.on_stale is not None:
-            self.on_stale(tuple(stale), stood)
-
-    def stop(self) -> None:
-        """End the thread and wait for its last store request (backend/before_exit.py)."""
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=2 * _LOOK_S + 1)
-
-
-def _own_client(store: dist.Store) -> dist.Store:
-    if isinstance(store, dist.TCPStore):
-        return dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=30))
-    return store
+    def _take_state(self, extras: dict) -> None:
+        self.step = extras["step"]
+        self._tickets_seen = max(self._tickets_seen, extras["tickets"])
+        self._holds_state = True
+        if self.sampler is not None and extras["sampler"] is not None:
+            self.sampler.load_state_dict(extras["sampler"])
+            self.sampler.me = self.first_rank
 
 
 def _group_timeout(group: dist.ProcessGroup) -> float:
@@ -676,12 +636,3 @@ def _group_timeout(group: dist.ProcessGroup) -> float:
         timeout = dist.distributed_c10d._get_pg_default_timeout(group) if hasattr(
             dist.distributed_c10d, "_get_pg_default_timeout") else timedelta(minutes=30)
     return timeout.total_seconds()
-
-
-def _parse(text: bytes | str) -> tuple[int, ...]:
-    text = text.decode() if isinstance(text, bytes) else text
-    return tuple(int(r) for r in text.split(",") if r)
-
-
-def _said(ranks: tuple[int, ...]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

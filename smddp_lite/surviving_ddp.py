@@ -169,6 +169,13 @@ class DDPBuckets:
             self._write(i, part)
         return self.arrived(step)
 
+    def restore_local_gradients(self) -> None:
+        """Write this rank's own gradients of the step, kept where ``reduce_again`` finds them,
+        back into ``param.grad``: a redo in a group with replacements averages them flat."""
+        self.failure = None
+        for i in sorted(self._params):
+            self._write(i, self._kept[i] if self.view else self._grads[i])
+
     def averages(self, step: int) -> list[torch.Tensor]:
         """What a survivor ahead sends the ones behind: ``step``'s averages and its control call."""
         buckets = sorted(self._params)

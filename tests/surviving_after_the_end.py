@@ -20,7 +20,7 @@ import time
 import torch
 
 import smddp_lite
-from smddp_lite.job_store import finished, running_job_store
+from smddp_lite.membership.job_store import finished, running_job_store
 
 REPLACEMENT = ("import torch, smddp_lite; net = torch.nn.Linear(4, 2); "
                "smddp_lite.SurvivingSync(net, torch.optim.SGD(net.parameters(), lr=0.1))")

@@ -44,18 +44,22 @@ def wrapped(net: torch.nn.Module, ddp: bool, bucket_view: bool = False) -> torch
 
 def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, min_world_size: int = 1,
           replace: bool = False, step_s: float = 0.0, ddp: bool = False, bucket_view: bool = False,
-          late: dict | None = None) -> dict:
+          late: dict | None = None, starts: dict | None = None) -> dict:
     """Train ``steps`` steps; ``faults`` maps a rank (as a string) to (kind, step): "sigkill" (killed
     while it syncs), "exit" (os._exit before its sync), "sigstop" (stopped before its sync and
     killed at the end), "sigstop_resume" (stopped, and let go on once the others went on without
-    it). Returns, per completed step, the parameters' checksum and the world size, and each
+    it), "heartbeat_dies" (its heartbeat's process killed), "holds_gil" (6 s in a C call that holds
+    the GIL, which must not make it lost), "dies_healing" (killed half-way through sending the
+    job's state to a replacement; from the start). Returns, per completed step, the parameters' checksum and the world size, and each
     change; or the error that ended this rank's training, where SurvivingSync raised one of its own.
     With ``replace``, the new rank 0 starts a replacement process after each loss (as a user's
     launcher would), which writes what ``replacement`` returns into ``marks``. ``step_s``: the
     compute each step stands for (a sleep), so that a replacement has steps left to join. With
     ``ddp`` the model is a DistributedDataParallel (``bucket_view``: gradient_as_bucket_view).
     ``late`` maps a rank (as a string) to the seconds it spends before making its SurvivingSync
-    (a model or data set slower to load than the others')."""
+    (a model or data set slower to load than the others'). ``starts`` maps a step (as a string)
+    to what rank 0 starts as that step begins: "replacement", or "ghost" (a replacement that dies
+    once it took its ticket and its heartbeat beat)."""
     smddp_lite.init(timeout=timedelta(seconds=group_timeout_s))
     rank = dist.get_rank()
     time.sleep((late or {}).get(str(rank), 0.0))
@@ -71,11 +75,18 @@ def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, mi
         if c.rank == 0 and "sigstop_resume" in [k for k, _ in faults.values()] and stopped.exists():
             os.kill(int(stopped.read_text()), signal.SIGCONT)
 
+    def start(step: int) -> None:
+        what = (starts or {}).get(str(step))
+        if what is not None and rank == 0:
+            replacements.append(_start_replacement(steps, marks, len(replacements), step_s, ddp, what == "ghost"))
+
     sync = SurvivingSync(net, optimizer, min_world_size=min_world_size, on_change=changed)
     kind, fault_step = faults.get(str(rank), (None, -1))
+    if kind == "dies_healing":
+        _die_while_sending_the_state(marks, rank)
     checksums, worlds = [], []
     try:
-        _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums, worlds, step_s)
+        _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums, worlds, step_s, start)
     except (RankDeclaredLostError, TooFewRanksError) as exc:
         sync.close()
         return {"error": type(exc).__name__, "message": str(exc), "checksums": checksums}
@@ -102,19 +113,34 @@ def _said(c) -> dict:
             "rank": c.rank, "world_size": c.world_size, "step": c.step, "seconds": c.seconds, "at": time.time()}
 
 
-def _start_replacement(steps: int, marks: str, n: int, step_s: float, ddp: bool) -> subprocess.Popen:
+def _start_replacement(steps: int, marks: str, n: int, step_s: float, ddp: bool,
+                       ghost: bool = False) -> subprocess.Popen:
     Path(marks, f"replacement-{n}-started").write_text(repr(time.time()))
     code = (f"from tests.surviving_programs import replacement; "
-            f"replacement({steps}, {marks!r}, {n}, {step_s}, {ddp})")
+            f"replacement({steps}, {marks!r}, {n}, {step_s}, {ddp}, {ghost})")
     # SMDDP_REPLACEMENT: as smddp_lite.launch marks the replacements it starts
     return subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                             env=dict(os.environ, TEST_RANK=f"replacement-{n}", SMDDP_REPLACEMENT="1"))
 
 
-def replacement(steps: int, marks: str, n: int, step_s: float = 0.0, ddp: bool = False) -> None:
+def replacement(steps: int, marks: str, n: int, step_s: float = 0.0, ddp: bool = False, ghost: bool = False) -> None:
     """A replacement process: the same training, joining the running job; writes its checksums and
     changes to ``marks``/replacement-``n``.json. Without DDP it makes no group before SurvivingSync
-    does; with DDP, ``smddp_lite.init()`` makes it a group of one to make DDP on."""
+    does; with DDP, ``smddp_lite.init()`` makes it a group of one to make DDP on. A ``ghost`` dies
+    (os._exit) a quarter of a second after it took its ticket, while it waits to be admitted."""
+    if ghost:
+        import smddp_lite.surviving as surviving
+
+        refuse, looks = surviving.SurvivingSync._refuse_a_finished_job, []
+
+        def dies_once_waiting(self, store) -> None:  # looked at once before its ticket, then as it waits
+            looks.append(time.time())
+            if len(looks) == 2:
+                Path(marks, f"replacement-{n}-ticket").write_text(str(self.first_rank))  # its id
+                os._exit(7)
+            refuse(self, store)
+
+        surviving.SurvivingSync._refuse_a_finished_job = dies_once_waiting
     if ddp:
         smddp_lite.init()
     net = wrapped(model(), ddp)
@@ -136,10 +162,11 @@ def replacement(steps: int, marks: str, n: int, step_s: float = 0.0, ddp: bool =
          "id": sync.first_rank, "first_sync_at": first_sync_at}))
 
 
-def _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums, worlds, step_s) -> None:
+def _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums, worlds, step_s, start) -> None:
     # DDP averages during backward: its rank fails there, the others' with sync()
     ddp = isinstance(net, torch.nn.parallel.DistributedDataParallel)
     for step in range(steps):
+        start(step)
         x, y = batch(rank, step)
         loss = torch.nn.functional.mse_loss(net(x), y)
         if ddp and step == fault_step:
@@ -154,8 +181,10 @@ def _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums
 
 def _fail(kind: str, rank: int, marks: str, sync: SurvivingSync | None = None) -> None:
     Path(marks, f"fault-{rank}").write_text(repr(time.time()))
-    if kind == "heartbeat_dies":  # its store client loses its server, as when the store's host goes
-        _cut_the_heartbeat_off(sync)
+    if kind == "heartbeat_dies":  # the process that beats its heartbeat is killed
+        _kill_the_heartbeat(sync)
+    if kind == "holds_gil":  # busy for three times stale_after in a call that never lets another thread run
+        _hold_the_gil(6.0)
     if kind == "exit":
         os._exit(3)
     if kind in ("sigstop", "sigstop_resume"):
@@ -239,13 +268,40 @@ def _fully_sharded() -> torch.nn.Module:
     return net
 
 
-def _cut_the_heartbeat_off(sync: SurvivingSync) -> None:
-    """Point the rank's heartbeat at a store server of its own and end that server: the
-    heartbeat's next request fails on a real closed connection. Returns once the thread ended."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
-    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=5))
-    sync._heart._beating_store = dist.PrefixStore("cut", client)
-    del server
+def _die_while_sending_the_state(marks: str, rank: int) -> None:
+    """Make this rank die (SIGKILL) half-way through sending the job's state to a replacement:
+    after the header, before the first flat tensor of the state."""
+    import smddp_lite.surviving_state as surviving_state
+
+    send_state, send = surviving_state.send, dist.send
+
+    def dies(*args) -> None:
+        sent = []
+
+        def counted(tensor, dst, *more, **named):
+            sent.append(dst)
+            if len(sent) == 3:
+                Path(marks, f"fault-{rank}").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return send(tensor, dst, *more, **named)
+
+        dist.send = counted
+        send_state(*args)
+
+    surviving_state.send = dies
+
+
+def _kill_the_heartbeat(sync: SurvivingSync) -> None:
+    """SIGKILL the process that beats this rank's heartbeat; returns once the rank noticed."""
+    os.kill(sync._heart.process.pid, signal.SIGKILL)
     deadline = time.monotonic() + 20
-    while sync._heart._thread.is_alive() and time.monotonic() < deadline:
+    while sync._heart.failure is None and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _hold_the_gil(seconds: float) -> None:
+    """Sleep in a C call that keeps the GIL (ctypes.PyDLL does not release it): no thread of this
+    process runs meanwhile, the heartbeat's reading thread included."""
+    import ctypes
+
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))

@@ -143,9 +143,9 @@ def test_a_rank_that_comes_back_after_being_declared_lost_is_refused(ddp, tmp_pa
 
 @tiers.FULL_ONLY
 def test_a_rank_whose_heartbeat_stopped_raises_and_the_others_go_on(tmp_path):
-    """Rank 1's heartbeat thread ends on a store error (its client's server goes): it used to
-    end silently, and the rank trained on unheard until the others dropped it. Its next sync()
-    now raises; the others declare it lost and go on together."""
+    """The process that beats rank 1's heartbeat is killed: the rank must not train on unheard
+    (the others drop it once its counter stands still), so its sync() raises; the others declare
+    it lost and go on together."""
     results = _run("shm", {"1": ["heartbeat_dies", FAULT_STEP]}, tmp_path)
     stopped = results[1]
     assert stopped.value is not None, (stopped.error, stopped.output[-3000:])
@@ -156,6 +156,19 @@ def test_a_rank_whose_heartbeat_stopped_raises_and_the_others_go_on(tmp_path):
         assert r.value is not None and "error" not in r.value, (r.rank, r.error, r.output[-3000:])
         assert r.value["checksums"] == results[0].value["checksums"] and len(r.value["checksums"]) == STEPS
         assert r.value["worlds"] == [3] * FAULT_STEP + [2] * (STEPS - FAULT_STEP), r.value["worlds"]
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["module", "ddp"])
+def test_a_rank_that_holds_the_gil_for_seconds_keeps_its_heartbeat(ddp, tmp_path):
+    """Rank 1 spends 6 s (three times stale_after) in a C call that holds the GIL, so no thread
+    of it runs: its heartbeat, beaten by a process of its own, goes on, and no rank is lost."""
+    results = _run("shm", {"1": ["holds_gil", FAULT_STEP]}, tmp_path, ddp=ddp)
+    for r in results:
+        assert r.value is not None and "error" not in r.value, (r.rank, r.error, r.output[-3000:])
+        assert r.value["changes"] == [] and r.value["worlds"] == [3] * STEPS, (r.rank, r.value)
+        assert r.value["checksums"] == results[0].value["checksums"]
+    reference = _reference(3, None)
+    assert max(abs(a - b) for a, b in zip(results[0].value["checksums"], reference)) < 1e-4
 
 
 @tiers.FULL_ONLY
@@ -213,6 +226,58 @@ def test_a_replacement_joins_and_the_group_grows_back(transport, ddp, tmp_path):
     started = float((tmp_path / "replacement-0-started").read_text())
     assert joiner["first_sync_at"] - started < REPLACEMENT_BOUND_S, joiner["first_sync_at"] - started
     assert harness.segments_left_by(results) == [], "a segment was left in /dev/shm"
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["module", "ddp"])
+def test_a_replacement_that_dies_after_taking_its_ticket_is_never_admitted(ddp, tmp_path):
+    """A replacement dies once it took its ticket and beat: its ticket counted until the members
+    admitted a ghost and declared it lost seconds later. A ticket is now leased by the newcomer's
+    own heartbeat: the ghost is refused, never a member, and the next replacement joins."""
+    results = _run("shm", {}, tmp_path, steps=REPLACE_STEPS, step_s=STEP_S, ddp=ddp,
+                   starts={"1": "ghost", "16": "replacement"})
+    for r in results:
+        assert r.error is None and r.value is not None and "error" not in r.value, (r.rank, r.error, r.output[-3000:])
+    ghost = int((tmp_path / "replacement-0-ticket").read_text())
+    assert ghost == 3
+    joiner = json.loads((tmp_path / "replacement-1.json").read_text())
+    assert joiner["id"] == 4
+    checksums = results[0].value["checksums"]
+    for r in results:
+        assert r.value["checksums"] == checksums, "members applied different parameters"
+        changes = r.value["changes"]
+        assert all(ghost not in c["members"] and not c["lost"] for c in changes), changes
+        assert [c["joined"] for c in changes if c["joined"]] == [[4]], changes
+    assert "refused replacement 3" in results[0].output, results[0].output[-3000:]  # rank 0 decides admissions
+    joined_at = joiner["first_step"]
+    assert joiner["checksums"] == checksums[joined_at:], "the replacement applied different parameters"
+    assert results[0].value["worlds"] == [3] * joined_at + [4] * (REPLACE_STEPS - joined_at)
+    reference = _reference(3, None, joined_at=joined_at, joiner=4, steps=REPLACE_STEPS)
+    assert checksums == pytest.approx(reference, rel=1e-6)
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["module", "ddp"])
+def test_the_healer_killed_while_it_sends_the_state_ends_no_job(ddp, tmp_path):
+    """Rank 0 dies half-way through sending a replacement the job's state. The others used to wait
+    for it in the new group's rendezvous until they failed, and the replacement for good. Now
+    the members left and the replacement agree on the next generation, and the new rank 0 sends
+    the state again, to the replacement only."""
+    results = _run("shm", {"0": ["dies_healing", 0]}, tmp_path, steps=REPLACE_STEPS, step_s=STEP_S, ddp=ddp,
+                   starts={"1": "replacement"})
+    survivors = results[1:]
+    for r in survivors:
+        assert r.error is None and r.value is not None and "error" not in r.value, (r.rank, r.error, r.output[-3000:])
+    assert (tmp_path / "fault-0").exists(), "rank 0 never began to send the state"
+    joiner = json.loads((tmp_path / "replacement-0.json").read_text())
+    checksums = survivors[0].value["checksums"]
+    joined_at = joiner["first_step"]
+    for r in survivors:
+        assert r.value["checksums"] == checksums, "members applied different parameters"
+        # one change, or two where the members' part of the admission ended before rank 0 died
+        assert [(c["lost"], c["joined"], c["members"]) for c in r.value["changes"]] in (
+            [([0], [3], [1, 2, 3])], [([], [3], [0, 1, 2, 3]), ([0], [], [1, 2, 3])]), r.value["changes"]
+        assert set(r.value["worlds"]) <= {3, 4} and r.value["worlds"][-1] == 3
+    assert joiner["checksums"] == checksums[joined_at:], "the replacement applied different parameters"
+    assert [(c["joined"], c["members"]) for c in joiner["changes"]] == [([3], [1, 2, 3])]
 
 
 @tiers.FULL_ONLY

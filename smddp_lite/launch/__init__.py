@@ -75,7 +75,7 @@ def _replacing_a_rank_of_a_running_job() -> bool:
     nothing may be listening yet."""
     if os.environ.get("SMDDP_REPLACEMENT") != "1":
         return False
-    from ..job_store import running_job_store
+    from ..membership.job_store import running_job_store
 
     store = running_job_store()
     if store is None:

@@ -37,14 +37,14 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 
-from ..job_store import finished, job_store
+from ..membership.job_store import finished, job_store
 from . import open_store, store_address
 
 _log = logging.getLogger("smddp_lite.launch")
 
 _POLL_S = 0.1  # how often the launcher looks at its ranks
 # what the ranks see as torchrun's restart count: this launcher replaces ranks, it never restarts
-# the job, so the job's keys in the store (smddp_lite/job_store.py) stay under one prefix
+# the job, so the job's keys in the store (smddp_lite/membership/job_store.py) stay under one prefix
 _RESTART_COUNT = "0"
 _ALIVE = "smddp-launch/alive/"  # + host index: how many of that host's ranks run
 

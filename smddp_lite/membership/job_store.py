@@ -13,11 +13,15 @@ run's job running):
 - ``finished``: ``<id>,<sync>``: a member ended its training (``close()``, or its process's
   end without an error), so the job is over; a replacement that finds it exits at once instead
   of waiting to be admitted, and the launcher starts none.
-- ``tickets``: a counter, one per replacement that asked to join; ``admit/<ticket>``:
-  ``<generation>;<members>``, the admission rank 0 wrote for it.
+- ``ids``: a counter, one per replacement that started; its id is ``first_world`` plus the
+  count before it. ``tickets``: a counter a replacement adds to once its heartbeat beats;
+  ``ticket/<n>``: the id that took ticket n. ``admit/<id>``: ``<generation>/<record>``, the
+  generation that admits it, or ``refused: <why>``.
 - ``beat/<id>``: a counter each member's heartbeat adds to.
-- ``<generation>/in/<id>`` and ``<generation>/members``: the check-ins after a failure and the
-  compare-and-set that decides the next generation's members.
+- ``<generation>/members``: the generation's record, ``<ids>;<tickets considered>``, written once
+  by a compare-and-set (membership/generations.py); ``<generation>/in/<id>``: the check-ins
+  after a failure; ``<generation>/here/<id>`` and ``<generation>/arrived``: its barrier;
+  ``<generation>/group/``: the prefix of its process group's own keys.
 """
 
 from __future__ import annotations
@@ -30,12 +34,21 @@ import torch.distributed as dist
 RUNNING, FINISHED = "running", "finished"
 
 
-def job_store(root: dist.Store, restart_count: str | None = None) -> dist.PrefixStore:
+class JobStore(dist.PrefixStore):
+    """The job's keys: a PrefixStore that remembers its prefix and root, which the heartbeat's
+    process needs to reach the same keys (smddp_lite/membership/beating.py)."""
+
+    def __init__(self, prefix: str, root: dist.Store) -> None:
+        super().__init__(prefix, root)
+        self.prefix, self.root = prefix, root
+
+
+def job_store(root: dist.Store, restart_count: str | None = None) -> JobStore:
     """The job's keys in ``root`` (see the module's docstring for the prefix); ``restart_count``:
     torchrun's, by default this process's ``TORCHELASTIC_RESTART_COUNT``."""
     if restart_count is None:
         restart_count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"smddp-surviving/{restart_count}/", root)
+    return JobStore(f"smddp-surviving/{restart_count}/", root)
 
 
 def root_store(store: dist.Store) -> dist.Store:
@@ -45,7 +58,7 @@ def root_store(store: dist.Store) -> dist.Store:
     return store
 
 
-def running_job_store() -> dist.PrefixStore | None:
+def running_job_store() -> JobStore | None:
     """The store of a job already training with SurvivingSync, where this process is a replacement;
     None otherwise. Asked only where the store lives outside the ranks (torchrun's agent store, or
     a store of its own: TORCHELASTIC_USE_AGENT_STORE=True), since a rank would wait here for a
