@@ -24,7 +24,7 @@ from .algorithms import Collectives
 from .call import Call
 from .compile_boundary import hide_backend_from_dynamo
 from .cuda.route import cuda_device, gathers_unevenly, staging_reason
-from .errors import InvalidCallError, RecoverableMismatchError, SMDDPError, where
+from .errors import InvalidCallError, PeerFailureError, RecoverableMismatchError, SMDDPError, where
 from .fast_cpu import FastCpuCalls
 from .p2p import PeerLinks
 from .transports import create_transport
@@ -675,6 +675,15 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         Calls on CUDA tensors through NCCL are not reached."""
         self._failure = self._failure or f"{where(self.rank(), self.size(), 'interrupted')} {reason}"
         self.transport.interrupt(reason)
+
+    def raise_if_a_peer_left(self) -> None:
+        """Raise PeerFailureError where a peer left the group's protocol (failed, or was
+        interrupted) while this rank was not waiting: a call this rank makes after that can
+        complete on what the peer posted before it left. SurvivingSync's commit asks it, so that
+        a rank let go on after the others went on without it never applies their step."""
+        left = self.transport.peer_left()
+        if left is not None:
+            raise PeerFailureError(f"{where(self.rank(), self.size(), 'commit')} {left}")
 
     # lifetime ----------------------------------------------------------------------------------
     def shutdown(self, *args, **kwargs) -> None:

@@ -27,6 +27,7 @@ done, and whether any process or /dev/shm segment was left. Needs root::
 
     python -m benchmarks.survival_drill --failures 100 --out benchmarks/results/<date>-survival-drill
     python -m benchmarks.survival_drill --failures 0 --steps 2000 --seed 1   # a fault-free run
+    python -m benchmarks.survival_drill --failures 12 --cycle --hog 1         # beside a busy process
 
 With ``--steps`` the run ends at that step (failures stop once it is near); without, it ends
 after the last failure's replacement has trained ``--gap`` steps. The held-out loss at the end
@@ -285,24 +286,16 @@ class Drill:
         self.read()
         by_step: dict[int, set] = {}
         world_at: dict[int, int] = {}
-        last_of_lost = []  # (step, checksum) of each lost rank's last step
         for rid in self.records:
-            steps = self.steps_of(rid)
-            if rid in self.victims and steps:
-                # its average may have arrived while the survivors' failed: they redid the step
-                # without it, so this step is compared apart (below)
-                last_of_lost.append((steps[-1]["step"], steps[-1]["checksum"]))
-                steps = steps[:-1]
-            for s in steps:
+            # a lost rank's steps too: a step commits only once every member's average arrived
+            # (SurvivingSync._commit), so a rank lost mid-step never logged one the others redid
+            for s in self.steps_of(rid):
                 by_step.setdefault(s["step"], set()).add(s["checksum"])
                 world_at[s["step"]] = s["world"]
         differing = sorted(step for step, sums in by_step.items() if len(sums) > 1)
-        # a lost rank's last step that the survivors redid without it (theirs differs)
-        redone_without = sum(1 for step, checksum in last_of_lost if checksum not in by_step.get(step, {checksum}))
         done = [r for rid in self.records for r in self.records[rid] if r.get("event") == "done"]
         lost = {r for rid in self.records for c in self.records[rid] if c.get("event") == "change" for r in c["lost"]}
         return {"steps": len(by_step), "steps_with_differing_parameters": differing[:20],
-                "lost_ranks_last_step_redone_without_them": redone_without,
                 "unplanned_losses": sorted(lost - self.victims),
                 # the batches the steps averaged, against a run that never shrank
                 "rank_steps": sum(world_at.values()), "rank_steps_whole": self.world * len(world_at),
@@ -327,6 +320,9 @@ def drive(args) -> dict:
                  "wait_for_workers=False); time.sleep(1e9)"
         store_server = cluster.spawn(0, [sys.executable, "-c", server], env=env)
         shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("smddp")}
+        # busy processes beside the job, one core's worth each, on the hosts in turn
+        hogs = [cluster.spawn(h % len(layout), [sys.executable, "-c", "while True: pass"], env=env)
+                for h in range(args.hog)]
         by_launcher = args.launcher == "smddp" and len(set(layout)) == 1  # the launcher's ranks: as many per host
         worker_args = ["-m", "benchmarks.survival_drill", "worker", "--dir", str(logs), "--seed", str(args.seed),
                        "--step-s", str(args.step_s), "--group-timeout", str(args.group_timeout)]
@@ -376,8 +372,9 @@ def drive(args) -> dict:
                         hung.append(host)
                 results["agents_hung"] = hung
                 results["launchers_exit"] = [a.returncode for a in agents] if by_launcher else None
-                os.killpg(store_server.pid, signal.SIGKILL)  # the job is over: what else is left?
-                store_server.wait(timeout=10)
+                for process in [store_server, *hogs]:  # the job is over: what else is left?
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait(timeout=10)
                 results["processes_left"] = _left_in(cluster)
         results["seconds"] = time.time() - started
     if by_launcher:  # every host's ranks share this machine's /dev/shm
@@ -457,6 +454,7 @@ def main() -> None:
     parser.add_argument("--window", help="FROM,TO: report the steps per second between these steps")
     parser.add_argument("--out", help="write OUT.json")
     parser.add_argument("--ddp", action="store_true", help="train a DistributedDataParallel of the model")
+    parser.add_argument("--hog", type=int, default=0, help="busy processes beside the job (a core each)")
     parser.add_argument("--launcher", choices=("smddp", "agent"), default="smddp",
                         help="who starts the ranks and their replacements: python -m smddp_lite.launch on each "
                              "host (the store apart, on host 0), or the drill's own agent (any --layout)")

@@ -16,6 +16,13 @@ with SurvivingSync against the same DDP alone (the option on against off); with
 any Python comm hook costs::
 
     python -m benchmarks.surviving_overhead --ddp --python-hook-floor --rounds 8
+
+With ``--lab 2x2`` (as root) the three DDP arms run in one job on 2 simulated hosts x 2 ranks
+(benchmarks/multinode, 1 Gbit/s links), alternating rounds, each arm with its own model and
+optimizer from the same start: DDP alone, DDP with torch's Python all_reduce hook, and DDP with
+SurvivingSync. A round times ``--steps`` steps of each arm, in an order that rotates::
+
+    python -m benchmarks.surviving_overhead --lab 2x2 --rounds 8 --steps 100
 """
 
 from __future__ import annotations
@@ -70,6 +77,75 @@ def rank(steps: int, ddp: bool = False, surviving: bool = True, python_hook: boo
     return steps / elapsed
 
 
+def lab_rank(rounds: int, steps: int, warm_up: int = 20) -> None:
+    """One rank of the lab job (under torchrun): every arm's steps per second, round by round,
+    printed by rank 0 as one JSON line (a round's rate is the slowest rank's)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    import smddp_lite
+    from smddp_lite.surviving import SurvivingSync
+
+    torch.set_num_threads(1)
+    smddp_lite.init()
+    arms = {}
+    for name in ("ddp_alone", "python_hook", "surviving"):
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512)))
+        if name == "python_hook":
+            model.register_comm_hook(None, allreduce_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        arms[name] = (model, optimizer, SurvivingSync(model, optimizer) if name == "surviving" else None)
+    x = torch.randn(32, 512, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def run(name: str, n: int) -> float:
+        model, optimizer, sync = arms[name]
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(n):
+            model(x).square().mean().backward()
+            if sync is not None:
+                sync()
+            optimizer.step()
+            optimizer.zero_grad()
+        slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return n / float(slowest)
+
+    for name in arms:
+        run(name, warm_up)
+    rates = {name: [] for name in arms}
+    names = list(arms)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            rates[name].append(run(name, steps))
+    arms["surviving"][2].close()
+    if dist.get_rank() == 0:
+        print(json.dumps({"rates": rates, "world": dist.get_world_size()}), flush=True)
+    dist.destroy_process_group()
+
+
+def in_the_lab(args) -> dict:
+    from benchmarks.scaling import run_job
+
+    hosts, per_host = (int(n) for n in args.lab.split("x"))
+    outputs = run_job(hosts, per_host, ["surviving_overhead.py", "lab-rank", "--rounds", str(args.rounds),
+                                        "--steps", str(args.steps)], {}, args.rate, "torchrun", 3000,
+                      f"surviving overhead on {args.lab}")
+    report = next(json.loads(line) for line in outputs[0].splitlines() if line.startswith("{"))
+    rates = report["rates"]
+    alone = statistics.median(rates["ddp_alone"])
+    for r in range(args.rounds):
+        print(f"round {r}: " + ", ".join(f"{name} {rates[name][r]:.2f}" for name in rates) + " steps/s", flush=True)
+    summary = {name: statistics.median(values) / alone for name, values in rates.items()}
+    summary["surviving_vs_python_hook"] = statistics.median(rates["surviving"]) / statistics.median(
+        rates["python_hook"])
+    summary["paired_surviving_vs_python_hook"] = [s / h for s, h in zip(rates["surviving"], rates["python_hook"])]
+    return {"lab": args.lab, "rate": args.rate, "steps": args.steps, **report, "ratios_of_medians": summary}
+
+
 def _round(tree: str, steps: int, **kind) -> float:
     """A job of 3 ranks whose smddp_lite (and test harness) come from ``tree``."""
     code = ("import json, sys; from tests import harness; "
@@ -89,9 +165,17 @@ def main() -> None:
                         help="with --ddp: a third arm, DDP with torch's Python all_reduce hook")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--lab", metavar="HOSTSxRANKS", help="the three DDP arms in one job in the lab (root)")
+    parser.add_argument("--rate", default="1gbit", help="the lab's link rate")
+    if sys.argv[1:2] == ["lab-rank"]:  # one rank of the lab job, under torchrun
+        known = parser.parse_args(sys.argv[2:])
+        return lab_rank(known.rounds, known.steps)
     args = parser.parse_args()
+    if args.lab:
+        print(json.dumps(in_the_lab(args)))
+        return
     if args.ddp == bool(args.baseline):
-        parser.error("give --baseline TREE or --ddp")
+        parser.error("give --baseline TREE, --ddp or --lab")
     this, base, floor = [], [], []
     for n in range(args.rounds):
         if args.ddp:

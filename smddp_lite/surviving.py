@@ -308,6 +308,11 @@ class SurvivingSync:
         without it; a member whose commit returned is a step ahead, and the others, whose
         averages had all arrived, take the step from it after a loss (``_settle``)."""
         dist.all_reduce(self._commit_flag)
+        # over shared memory the call can complete on what the others posted before they left
+        # (they were interrupted waiting for this rank): ask the group whether anyone left
+        check = getattr(_backend_of(self._commit_flag.device), "raise_if_a_peer_left", None)
+        if check is not None:
+            check()
 
     def _commit_or_failure(self) -> BaseException | None:
         try:
@@ -369,7 +374,10 @@ class SurvivingSync:
         self._holds_state = False
         backend, timeout_s = store.get("how").decode().split(",")
         self._backend, self._timeout = backend, float(timeout_s)
-        self._heart = Heartbeat(store, self.first_rank, self.stale_after_s, self._found_stale, self._interrupt)
+        # (its thread beats until the process does: a replacement only waits, with the GIL free,
+        # and its ticket should not wait for a second import of torch)
+        self._heart = Heartbeat(store, self.first_rank, self.stale_after_s, self._found_stale, self._interrupt,
+                                wait_for_process=False)
         # the ticket is taken once this process beats: from then on a ticket's heartbeat moves
         # unless its process died, which the members see before admitting it
         ticket = store.add("tickets", 1)
@@ -628,6 +636,13 @@ class SurvivingSync:
         if self.sampler is not None and extras["sampler"] is not None:
             self.sampler.load_state_dict(extras["sampler"])
             self.sampler.me = self.first_rank
+
+
+def _backend_of(device: torch.device) -> object | None:
+    try:
+        return dist.group.WORLD._get_backend(device)
+    except (RuntimeError, AttributeError, ValueError):  # no group, or none for this device
+        return None
 
 
 def _group_timeout(group: dist.ProcessGroup) -> float:

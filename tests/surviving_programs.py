@@ -50,7 +50,8 @@ def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, mi
     killed at the end), "sigstop_resume" (stopped, and let go on once the others went on without
     it), "heartbeat_dies" (its heartbeat's process killed), "holds_gil" (6 s in a C call that holds
     the GIL, which must not make it lost), "dies_healing" (killed half-way through sending the
-    job's state to a replacement; from the start). Returns, per completed step, the parameters' checksum and the world size, and each
+    job's state to a replacement; from the start), "sigstop_resume_before_commit" (stopped once
+    its average arrived, before the step's commit, and let go on once the others went on). Returns, per completed step, the parameters' checksum and the world size, and each
     change; or the error that ended this rank's training, where SurvivingSync raised one of its own.
     With ``replace``, the new rank 0 starts a replacement process after each loss (as a user's
     launcher would), which writes what ``replacement`` returns into ``marks``. ``step_s``: the
@@ -72,7 +73,7 @@ def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, mi
         if replace and c.lost and c.rank == 0:
             replacements.append(_start_replacement(steps, marks, len(replacements), step_s, ddp))
         stopped = Path(marks, "stopped")
-        if c.rank == 0 and "sigstop_resume" in [k for k, _ in faults.values()] and stopped.exists():
+        if c.rank == 0 and any(k.startswith("sigstop_resume") for k, _ in faults.values()) and stopped.exists():
             os.kill(int(stopped.read_text()), signal.SIGCONT)
 
     def start(step: int) -> None:
@@ -170,7 +171,7 @@ def _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums
         x, y = batch(rank, step)
         loss = torch.nn.functional.mse_loss(net(x), y)
         if ddp and step == fault_step:
-            _fail(kind, rank, marks)
+            _fail(kind, rank, marks, sync)
         loss.backward()
         time.sleep(step_s)
         if not ddp and step == fault_step:
@@ -187,6 +188,15 @@ def _fail(kind: str, rank: int, marks: str, sync: SurvivingSync | None = None) -
         _hold_the_gil(6.0)
     if kind == "exit":
         os._exit(3)
+    if kind == "sigstop_resume_before_commit":  # its average arrives; it stops before the commit
+        commit = sync._commit
+
+        def stops_first() -> None:
+            Path(marks, "stopped").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            commit()
+
+        sync._commit = stops_first
     if kind in ("sigstop", "sigstop_resume"):
         Path(marks, "stopped").write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -141,6 +141,22 @@ def test_a_rank_that_comes_back_after_being_declared_lost_is_refused(ddp, tmp_pa
         assert r.value["checksums"] == results[0].value["checksums"]
 
 
+@pytest.mark.parametrize("ddp", [False, True], ids=["module", "ddp"])
+def test_a_rank_lost_after_its_average_arrived_never_applies_the_step(ddp, tmp_path):
+    """Rank 1 receives its step's average, then stops before the step commits; the others redo
+    the step without it. Let go on, it used to apply that step (an average no live rank applied)
+    and run the user's code on it until its next sync() refused it. Now it never applies it."""
+    results = _run("shm", {"1": ["sigstop_resume_before_commit", FAULT_STEP]}, tmp_path, ddp=ddp)
+    back, survivors = results[1], (results[0], results[2])
+    assert back.value is not None and back.value["error"] == "RankDeclaredLostError", (back.error, back.value)
+    for r in survivors:
+        assert r.value is not None and "error" not in r.value, (r.rank, r.error, r.output[-3000:])
+        assert r.value["checksums"] == results[0].value["checksums"]
+        assert r.value["worlds"] == [3] * FAULT_STEP + [2] * (STEPS - FAULT_STEP)
+    assert results[0].value["checksums"] == pytest.approx(_reference(3, 1), rel=1e-6)
+    assert back.value["checksums"] == results[0].value["checksums"][:FAULT_STEP], "it applied the step it lost"
+
+
 @tiers.FULL_ONLY
 def test_a_rank_whose_heartbeat_stopped_raises_and_the_others_go_on(tmp_path):
     """The process that beats rank 1's heartbeat is killed: the rank must not train on unheard

@@ -91,6 +91,12 @@ class Transport(abc.ABC):
         Safe from any thread; waits look for it as often as they look for a peer's refusal."""
         self.interrupted = reason
 
+    def peer_left(self) -> str | None:
+        """Why a peer of this rank left the group's protocol (it failed or was interrupted in a
+        call), or None. A call can complete on what its peers posted before they left, where
+        peers post to shared memory; over sockets the peers' leaving fails the call itself."""
+        return None
+
     def raise_if_told(self, call: Call, op: str) -> None:
         """Raise in a wait of ``call`` if this rank was interrupted, or (where the group has a
         board) a peer refused the call, failed in it or called another."""

@@ -618,6 +618,9 @@ class HierarchicalTransport(Transport):
         for t in (self.intra, self.inter, self.flat):
             t.interrupt(reason)
 
+    def peer_left(self) -> str | None:
+        return self.intra.peer_left() if self.intra is not None else None
+
     def close(self) -> None:
         for t in (self.intra, self.inter, self.flat):
             t.close()

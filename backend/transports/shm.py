@@ -383,6 +383,9 @@ class ShmTransport(Transport):
         super().interrupt(reason)
         self.seg.interrupted = reason
 
+    def peer_left(self) -> str | None:
+        return self.seg.peer_left()
+
     def _refusal(self) -> str | None:
         """A refusal of the current call, a failure or a mismatch posted on the group's board (set
         when this transport is the host part of a hierarchical one); peers on this host use the

@@ -291,6 +291,16 @@ class ShmSegment:
             self._write_reason(reason)
         self.control[self.rank, BROKEN] = 1
 
+    def peer_left(self) -> str | None:
+        """Why a peer marked itself broken (it left the protocol), or None: read from the control
+        rows, which outlive the peers' own mappings."""
+        if self.control is None:
+            return None
+        for peer in range(self.world_size):
+            if peer != self.rank and self.control[peer, BROKEN]:
+                return f"rank {self._shown(peer)} left the group: {self._reason(peer)}"
+        return None
+
     def entering(self, call: int, op_shown: str) -> None:
         """This rank enters process-group call ``call``, which its messages name ``op_shown``."""
         self.current_call, self.op_shown = call, op_shown

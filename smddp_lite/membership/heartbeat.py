@@ -45,7 +45,7 @@ class Heartbeat:
 
     def __init__(self, store: JobStore, rank: int, stale_after_s: float,
                  on_stale: Callable[[tuple[int, ...], float], None] | None = None,
-                 on_stopped: Callable[[str], None] | None = None) -> None:
+                 on_stopped: Callable[[str], None] | None = None, wait_for_process: bool = True) -> None:
         self.store, self.rank, self.stale_after_s = store, rank, stale_after_s
         self.on_stale, self.on_stopped = on_stale, on_stopped
         self._stop = threading.Event()
@@ -61,10 +61,13 @@ class Heartbeat:
         self.failure: BaseException | None = None  # what ended the beating, where it ended unasked
         self._all_beating = False  # every watched member's key exists (then one multi_get reads them)
         self._process = self._start_process(store)
-        self._thread_beats = not self._process_beats()
+        self._thread_beats = True  # until the process says it beats
+        self._process_beating = threading.Event()
         self._thread = threading.Thread(target=self._run, name="smddp-heartbeat", daemon=True)
         self._thread.start()
         before_exit.stop_at_exit(self.stop)
+        if wait_for_process:
+            self._wait_for_process()
 
     @staticmethod
     def key(rank: int) -> str:
@@ -89,25 +92,19 @@ class Heartbeat:
                          "that holds the GIL for longer than stale_after cannot keep beating", exc)
             return None
 
-    def _process_beats(self) -> bool:
-        """Wait for the process's first beat: from then on the beat holds whatever this rank does.
-        False where it is not beating within PROCESS_START_S (the thread beats until it does)."""
+    def _wait_for_process(self) -> None:
+        """Wait for the process's first beat (the thread beats meanwhile): from then on the beat
+        holds whatever this rank does. Up to PROCESS_START_S, then the thread beats on."""
         if self._process is None:
-            return False
+            return
         deadline = time.monotonic() + PROCESS_START_S
-        while time.monotonic() < deadline and self._process.poll() is None:
-            if select.select([self._process.stdout], [], [], 0.05)[0]:
-                return self._process.stdout.readline().strip() == b"beating"
-        if self._process.poll() is not None:
-            said_ = self._process.stderr.read().decode(errors="replace").strip()
-            _log.warning("smddp: the heartbeat's process ended at its start (%s); the heartbeat beats on a "
-                         "thread, which a rank that holds the GIL for longer than stale_after cannot keep beating",
-                         said_ or f"status {self._process.returncode}")
-            self._process = None
-        else:
-            _log.warning("smddp: the heartbeat's process did not beat within %g s; a thread beats until it does",
-                         PROCESS_START_S)
-        return False
+        while not self._process_beating.wait(0.05):
+            if self._process is None or self.failure is not None:
+                return
+            if time.monotonic() > deadline:
+                _log.warning("smddp: the heartbeat's process did not beat within %g s; a thread beats until it does",
+                             PROCESS_START_S)
+                return
 
     def wait_for_first_beats(self, members: Iterable[int], timeout_s: float) -> None:
         """Until every one of ``members`` has beaten once, that is, made its SurvivingSync."""
@@ -171,9 +168,10 @@ class Heartbeat:
                 return
 
     def _check_process(self) -> None:
-        if self._thread_beats and select.select([self._process.stdout], [], [], 0)[0]:
-            if self._process.stdout.readline().strip() == b"beating":
-                self._thread_beats = False  # the process beats from now on
+        ready = self._thread_beats and select.select([self._process.stdout], [], [], 0)[0]
+        if ready and self._process.stdout.readline().strip() == b"beating":
+            self._thread_beats = False  # the process beats from now on
+            self._process_beating.set()
         status = self._process.poll()
         if status is not None and not self._stop.is_set():
             said_ = self._process.stderr.read().decode(errors="replace").strip()
