@@ -11,24 +11,34 @@ its place in the flats, the step, the sampler's state) is a small pickle sent fi
 
 from __future__ import annotations
 
+import io
 import math
 import pickle
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 
-@dataclass(frozen=True)
-class _Slot:
+class _Slot(NamedTuple):
     """Where a tensor of the optimizer's state lies: its flat, offset, shape, and whether it
-    lived on the CPU (Adam's step counts do) rather than with the parameters."""
+    lived on the CPU (Adam's step counts do) rather than with the parameters. Sent as a plain
+    tuple."""
 
     flat: int
     at: int
     shape: tuple[int, ...]
     on_cpu: bool
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Reads only plain data (numbers, strings, lists, tuples, dicts): the header names no class
+    or function, so one that does was not written by ``send`` and is refused, never imported."""
+
+    def find_class(self, module: str, name: str) -> None:
+        raise pickle.UnpicklingError(
+            f"SurvivingSync: the job's state header names {module}.{name}; it carries plain data only. The "
+            "sender is not a SurvivingSync of this version: run one version of smddp-lite in a job.")
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple[list[torch.dtype], list[int], list[tuple[int, int]]]:
@@ -84,10 +94,10 @@ def send(to: list[int], model_tensors: list[torch.Tensor], optimizer: torch.opti
     optimizer_tensors: list[torch.Tensor] = []
     optimizer_state = _replace_tensors(optimizer.state_dict(), optimizer_tensors) if optimizer is not None else None
     flats, where = _flats_of(model_tensors + optimizer_tensors, device)
-    slots = [_Slot(i, at, tuple(t.shape), t.device.type == "cpu")
+    slots = [tuple(_Slot(i, at, tuple(t.shape), t.device.type == "cpu"))
              for t, (i, at) in zip(optimizer_tensors, where[len(model_tensors):])]
     header = pickle.dumps({"extras": extras, "optimizer": optimizer_state, "slots": slots,
-                           "flats": [(f.dtype, f.numel()) for f in flats]})
+                           "flats": [(str(f.dtype).removeprefix("torch."), f.numel()) for f in flats]})
     header_bytes = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
     size = torch.tensor([header_bytes.numel()], dtype=torch.int64, device=device)
     for rank in to:
@@ -105,8 +115,8 @@ def receive(src: int, model_tensors: list[torch.Tensor], optimizer: torch.optim.
     dist.recv(size, src)
     header_bytes = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.recv(header_bytes, src)
-    header = pickle.loads(header_bytes.cpu().numpy().tobytes())
-    flats = [torch.empty(n, dtype=dtype, device=device) for dtype, n in header["flats"]]
+    header = _PlainUnpickler(io.BytesIO(header_bytes.cpu().numpy().tobytes())).load()
+    flats = [torch.empty(n, dtype=_dtype(name), device=device) for name, n in header["flats"]]
     for flat in flats:
         dist.recv(flat, src)
     where = _layout(model_tensors)[2]
@@ -114,7 +124,15 @@ def receive(src: int, model_tensors: list[torch.Tensor], optimizer: torch.optim.
         for t, (i, at) in zip(model_tensors, where):
             t.copy_(flats[i][at:at + t.numel()].view_as(t))
     if optimizer is not None and header["optimizer"] is not None:
-        tensors = [flats[s.flat][s.at:s.at + math.prod(s.shape)].view(s.shape).clone() for s in header["slots"]]
-        tensors = [t.cpu() if s.on_cpu else t for t, s in zip(tensors, header["slots"])]
+        slots = [_Slot(*slot) for slot in header["slots"]]
+        tensors = [flats[s.flat][s.at:s.at + math.prod(s.shape)].view(s.shape).clone() for s in slots]
+        tensors = [t.cpu() if s.on_cpu else t for t, s in zip(tensors, slots)]
         optimizer.load_state_dict(_restore_tensors(header["optimizer"], tensors))
     return header["extras"]
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"SurvivingSync: the job's state header names dtype {name!r}, which this torch does not have")
+    return dtype

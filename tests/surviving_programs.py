@@ -315,3 +315,41 @@ def _hold_the_gil(seconds: float) -> None:
     import ctypes
 
     ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
+def state_transfer() -> dict:
+    """Rank 0 trains a model of three dtypes (float32, float64 and BatchNorm's int64 count) with
+    AdamW for three steps and sends its state to rank 1, which starts elsewhere; both then take
+    one more step on the same batch. Returns what each holds then, and what rank 1 received."""
+    from smddp_lite import surviving_state
+
+    smddp_lite.init()
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # rank 1 starts from other parameters, and with no optimizer state
+    net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.BatchNorm1d(16),
+                              torch.nn.Linear(16, 1).double())
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+
+    def step() -> None:
+        x, y = batch(0, 0)
+        loss = torch.nn.functional.mse_loss(net[2](net[1](net[0](x)).double()), y.double())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model = list(net.parameters()) + list(net.buffers())
+    extras = None
+    if rank == 0:
+        for _ in range(3):
+            step()
+        surviving_state.send([1], model, optimizer, {"step": 3, "sampler": None})
+    else:
+        extras = surviving_state.receive(0, model, optimizer)
+    step()
+    state = optimizer.state_dict()["state"]
+    held = {"params": [p.detach().double().sum().item() for p in net.parameters()],
+            "buffers": [b.double().sum().item() for b in net.buffers()],
+            "optimizer": [[float(v.double().sum()) for v in s.values()] for s in state.values()],
+            "dtypes": sorted({str(t.dtype) for t in model}), "extras": extras}
+    dist.destroy_process_group()
+    return held

@@ -305,6 +305,19 @@ def test_ddp_with_it_trains_as_ddp_alone_buffers_included():
         assert r.value["params"] < 1e-5 and r.value["buffers"] < 1e-5, r.value
 
 
+def test_a_replacement_receives_parameters_buffers_and_optimizer_state_as_held():
+    """The state a healer sends (one flat per dtype, peer to peer): AdamW's moments and step
+    counts, three dtypes of parameters and buffers; the next step is then the same on both."""
+    sender, receiver = harness.launch("tests.surviving_programs:state_transfer", 2, env={"SMDDP_TRANSPORT": "shm"},
+                                      timeout=120)
+    for r in (sender, receiver):
+        assert r.value is not None, (r.rank, r.error, r.output[-3000:])
+    assert sender.value["dtypes"] == ["torch.float32", "torch.float64", "torch.int64"]
+    assert receiver.value["extras"] == {"step": 3, "sampler": None}
+    for part in ("params", "buffers", "optimizer"):
+        assert receiver.value[part] == sender.value[part], part
+
+
 def test_what_cannot_survive_is_refused_with_the_reason():
     (said,) = {json.dumps(r.value, sort_keys=True) if r.value else r.error
                for r in harness.launch("tests.surviving_programs:refusals", 2, timeout=120)}
