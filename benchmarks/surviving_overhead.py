@@ -77,9 +77,10 @@ def rank(steps: int, ddp: bool = False, surviving: bool = True, python_hook: boo
     return steps / elapsed
 
 
-def lab_rank(rounds: int, steps: int, warm_up: int = 20) -> None:
+def lab_rank(rounds: int, steps: int, warm_up: int = 20, without_commit: bool = False) -> None:
     """One rank of the lab job (under torchrun): every arm's steps per second, round by round,
-    printed by rank 0 as one JSON line (a round's rate is the slowest rank's)."""
+    printed by rank 0 as one JSON line (a round's rate is the slowest rank's). ``without_commit``
+    (an ablation, not a mode to train in): SurvivingSync skips its per-step commit call."""
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -89,6 +90,9 @@ def lab_rank(rounds: int, steps: int, warm_up: int = 20) -> None:
 
     torch.set_num_threads(1)
     smddp_lite.init()
+    if without_commit:
+        SurvivingSync._commit = lambda self: None
+        SurvivingSync._commit_or_failure = lambda self: None
     arms = {}
     for name in ("ddp_alone", "python_hook", "surviving"):
         torch.manual_seed(0)
@@ -132,8 +136,8 @@ def in_the_lab(args) -> dict:
 
     hosts, per_host = (int(n) for n in args.lab.split("x"))
     outputs = run_job(hosts, per_host, ["surviving_overhead.py", "lab-rank", "--rounds", str(args.rounds),
-                                        "--steps", str(args.steps)], {}, args.rate, "torchrun", 3000,
-                      f"surviving overhead on {args.lab}")
+                                        "--steps", str(args.steps)] + ["--without-commit"] * args.without_commit,
+                      {}, args.rate, "torchrun", 3000, f"surviving overhead on {args.lab}")
     report = next(json.loads(line) for line in outputs[0].splitlines() if line.startswith("{"))
     rates = report["rates"]
     alone = statistics.median(rates["ddp_alone"])
@@ -167,9 +171,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lab", metavar="HOSTSxRANKS", help="the three DDP arms in one job in the lab (root)")
     parser.add_argument("--rate", default="1gbit", help="the lab's link rate")
+    parser.add_argument("--without-commit", action="store_true",
+                        help="with --lab: an ablation, SurvivingSync without its per-step commit call")
     if sys.argv[1:2] == ["lab-rank"]:  # one rank of the lab job, under torchrun
         known = parser.parse_args(sys.argv[2:])
-        return lab_rank(known.rounds, known.steps)
+        return lab_rank(known.rounds, known.steps, without_commit=known.without_commit)
     args = parser.parse_args()
     if args.lab:
         print(json.dumps(in_the_lab(args)))

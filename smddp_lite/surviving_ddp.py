@@ -58,6 +58,9 @@ class DDPBuckets:
         known = self._grads.get(i)
         # a new layout (DDP rebuilt its buckets): the old buckets are held here, so new ones lie elsewhere
         if known is None or known.data_ptr() != grads.data_ptr() or known.numel() != grads.numel():
+            if i == 0:  # bucket 0's hook runs first: a new layout, whose bucket count may differ
+                for kept in (self._params, self._grads, self._kept, *self._averages):
+                    kept.clear()
             self._params[i], self._grads[i] = list(bucket.parameters()), grads
             for averages in self._averages:
                 averages.pop(i, None)

@@ -233,13 +233,18 @@ class Heartbeat:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=2 * LOOK_S + 1)
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
+        process = self._process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.terminate()
             try:
-                self._process.wait(timeout=2)
+                process.wait(timeout=2)
             except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+                process.kill()
+                process.wait()
+        for pipe in (process.stdout, process.stderr):
+            pipe.close()
 
     @property
     def process(self) -> subprocess.Popen | None:
