@@ -8,6 +8,7 @@ import hashlib
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -130,6 +131,19 @@ def test_a_fifo_under_a_segment_name_is_refused_without_blocking(shm_dir):
 
 def test_a_missing_segment_says_so():
     assert "does not exist" in str(_rank1_opens(str(_shm_name())))
+
+
+def test_a_segment_gone_with_its_dead_maker_names_the_maker():
+    """Rank 0 died after publishing its segment, and a sweep of segments whose maker died (any
+    job's rank 0 makes one) removed the name before rank 1 opened it: rank 1 says rank 0 died,
+    not that /dev/shm may not be shared."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(ended.stdout)
+    name = f"smddp-{shm_segment._pid_namespace()}-{dead}-{'0' * 12}"
+    store = dist.HashStore()
+    store.set("shm/path", f"{shm_segment.SHM_DIR}/{name}")
+    with pytest.raises(PeerFailureError, match=f"rank 0 \\(pid {dead}\\) died before this rank mapped"):
+        ShmSegment(store, 1, WORLD, CHUNK, timedelta(seconds=5))
 
 
 def _segments_of_this_process() -> set[Path]:

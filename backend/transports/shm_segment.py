@@ -482,6 +482,15 @@ def _map_shared(store, rank: int, world_size: int, size: int, timeout_s: float,
         raise OSError(errno.ENOSPC, f"{where(rank, world_size, 'init')} {path[len(_FAILED):]}")
     try:
         fd = _open_published(path, size)
+    except FileNotFoundError:
+        maker = _dead_maker(path)
+        if maker is not None:  # its name went with it (a sweep of segments whose maker died)
+            raise PeerFailureError(f"{where(rank, world_size, 'init')} rank 0 (pid {maker}) died before this "
+                                   "rank mapped the shared-memory segment it made. Restart the job.") from None
+        said = (f"the shared-memory segment {path!r} named by the rendezvous store does not exist: rank 0 may "
+                "have failed, or the ranks do not share /dev/shm (set SMDDP_TRANSPORT=gloo then)")
+        store.set(_REFUSED_KEY, f"rank {rank}: {said}")  # rank 0 hears of it instead of waiting
+        raise SegmentRefusedError(f"{where(rank, world_size, 'init')} {said}") from None
     except SegmentRefusedError as exc:
         message = f"{where(rank, world_size, 'init')} {exc}"
         store.set(_REFUSED_KEY, f"rank {rank}: {exc}")  # rank 0 hears of it instead of waiting
@@ -490,6 +499,15 @@ def _map_shared(store, rank: int, world_size: int, size: int, timeout_s: float,
         return mmap.mmap(fd, size), path
     finally:
         os.close(fd)
+
+
+def _dead_maker(path: str) -> int | None:
+    """The pid in a segment's name, where that process is in this pid namespace and has died."""
+    match = SEGMENT_NAME.fullmatch(os.path.basename(path))
+    if match is None or int(match.group(1)) != _pid_namespace() or not _pid_namespace():
+        return None
+    pid = int(match.group(2))
+    return None if alive(pid) else pid
 
 
 def _open_published(path: str, size: int) -> int:
@@ -512,9 +530,7 @@ def _open_published(path: str, size: int) -> int:
         # O_NONBLOCK: a FIFO or device planted under that name must not block the open
         fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
     except FileNotFoundError:
-        raise SegmentRefusedError(
-            f"the shared-memory segment {path!r} named by the rendezvous store does not exist: rank 0 "
-            "may have failed, or the ranks do not share /dev/shm (set SMDDP_TRANSPORT=gloo then)") from None
+        raise  # _map_shared says why: its maker died, or /dev/shm is not shared
     except OSError as exc:
         raise SegmentRefusedError(
             f"refused the shared-memory segment {path!r} from the rendezvous store: it cannot be opened "
