@@ -34,18 +34,28 @@ class Sentences(torch.utils.data.Dataset):
                 "labels": int(self.ids[i, 0] % 2)}
 
 
-def main() -> None:
-    args = _outcome.arguments(__doc__)
-    smddp_lite.init(backend=args.backend)  # before TrainingArguments: the Trainer uses this group
+def tiny_bert() -> BertForSequenceClassification:
+    """The model both Trainer examples train, the same on every rank."""
     torch.manual_seed(0)
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=16, num_labels=2)
-    model = BertForSequenceClassification(config)
+    return BertForSequenceClassification(config)
+
+
+def training_arguments(output_dir: str, steps: int, **more) -> TrainingArguments:
+    """The examples' TrainingArguments (CPU, no saving, a loss logged every step), and ``more``."""
+    return TrainingArguments(output_dir=output_dir, per_device_train_batch_size=4, max_steps=steps,
+                             learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
+                             use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, **more)
+
+
+def main() -> None:
+    args = _outcome.arguments(__doc__)
+    smddp_lite.init(backend=args.backend)  # before TrainingArguments: the Trainer uses this group
+    model = tiny_bert()
     with tempfile.TemporaryDirectory() as output_dir:
-        training = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=4, max_steps=args.steps,
-                                     learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
-                                     use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
-                                     ddp_find_unused_parameters=False, torch_compile=args.compile)
+        training = training_arguments(output_dir, args.steps, ddp_find_unused_parameters=False,
+                                      torch_compile=args.compile)
         trainer = Trainer(model=model, args=training, train_dataset=Sentences(64))
         trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -8,28 +8,20 @@ from __future__ import annotations
 
 import tempfile
 
-import torch
 import torch.distributed as dist
-from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
 
 import smddp_lite
 from smddp_lite.examples import _outcome
-from smddp_lite.examples.hf_trainer import Sentences
+from smddp_lite.examples.hf_trainer import Sentences, tiny_bert, training_arguments
 from smddp_lite.hf_trainer import CompiledStepTrainer
 
 
 def main() -> None:
     args = _outcome.arguments(__doc__, accumulate=True)
     smddp_lite.init(backend=args.backend)  # before TrainingArguments: the Trainer uses this group
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=16, num_labels=2)
-    model = BertForSequenceClassification(config)
+    model = tiny_bert()
     with tempfile.TemporaryDirectory() as output_dir:
-        training = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=4, max_steps=args.steps,
-                                     learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
-                                     use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
-                                     gradient_accumulation_steps=args.accumulate)
+        training = training_arguments(output_dir, args.steps, gradient_accumulation_steps=args.accumulate)
         trainer = CompiledStepTrainer(model=model, args=training, train_dataset=Sentences(64))
         trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
