@@ -158,9 +158,11 @@ def replacement(steps: int, marks: str, n: int, step_s: float = 0.0, ddp: bool =
         step_done(net, optimizer, sync, checksums, worlds)
     sync.close()
     dist.destroy_process_group()
-    Path(marks, f"replacement-{n}.json").write_text(json.dumps(
+    written = Path(marks, f"replacement-{n}.json.part")  # renamed once whole: a test may be polling for it
+    written.write_text(json.dumps(
         {"first_step": first_step, "checksums": checksums, "worlds": worlds, "changes": changes,
          "id": sync.first_rank, "first_sync_at": first_sync_at}))
+    written.rename(Path(marks, f"replacement-{n}.json"))
 
 
 def _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums, worlds, step_s, start) -> None:
