@@ -12,7 +12,8 @@ time:
 - ``sigkill``: a rank SIGKILLed;
 - ``sigstop``: a rank stopped;
 - ``exit``: a rank calling ``os._exit`` at its next step;
-- ``link``: the last host's link taken down (every rank on it cut off) for a few seconds;
+- ``link``: the last host's link taken down (every rank on it cut off from the others and from
+  the store) until its ranks have raised the error that says so;
 - ``pair``: two ranks SIGKILLed at once;
 - ``comeback``: a rank stopped, and let go on once the others went on without it, which must
   end it with ``RankDeclaredLostError``.
@@ -22,8 +23,9 @@ finds the silent ones). The driver then ends what is left of the lost ranks, and
 replacements to train; the next failure comes once the group is whole again and has trained
 ``--gap`` steps. Every rank logs each step's parameter checksum; the driver checks
 after the run that every rank that logged a step logged the same checksum, and reports how long
-the survivors took to go on, how long each replacement took from its start to its first step
-done, and whether any process or /dev/shm segment was left. Needs root::
+the survivors took to go on, how long each replacement took to its first step done (from its
+process's start, and from its SurvivingSync's, which JOIN_BOUND_S bounds), what the cut-off
+ranks raised and when, and whether any process or /dev/shm segment was left. Needs root::
 
     python -m benchmarks.survival_drill --failures 100 --out benchmarks/results/<date>-survival-drill
     python -m benchmarks.survival_drill --failures 0 --steps 2000 --seed 1   # a fault-free run
@@ -57,7 +59,8 @@ STORE_PORT = 29500
 GROUP_TIMEOUT_S = 1800.0  # torch's default: no failure may wait for it
 KINDS = ("sigkill", "sigstop", "exit", "link", "pair", "comeback")
 RESUME_BOUND_S = 3.0  # after any failure: the heartbeat's stale_after (2 s) and a second
-REPLACEMENT_BOUND_S = 10.0
+# from a replacement's SurvivingSync (its script's imports and model are its own) to its first step
+JOIN_BOUND_S = 5.0
 
 
 # the ranks ----------------------------------------------------------------------------------------
@@ -87,13 +90,14 @@ def worker(args) -> None:
         log.flush()
 
     pending = []
+    sync_at = time.time()
     sync = smddp_lite.SurvivingSync(trained, optimizer, timeout=timedelta(seconds=args.group_timeout),
                                     on_change=lambda c: pending.append(c))
     me = sync.first_rank
     log = open(logs / f"rank-{me}.jsonl", "a")
     (logs / f"pid-{me}").write_text(str(os.getpid()))
     write({"event": "started", "id": me, "pid": os.getpid(), "at": time.time(), "step": sync.step,
-           "process_at": STARTED_AT, "host": int(os.environ["GROUP_RANK"])})
+           "process_at": STARTED_AT, "sync_at": sync_at, "host": int(os.environ["GROUP_RANK"])})
     stop_file, stop_at = logs / "stop-at", None
     step = sync.step
     while stop_at is None or step < stop_at:
@@ -111,8 +115,9 @@ def worker(args) -> None:
         time.sleep(args.step_s)
         try:
             sync()
-        except RankDeclaredLostError:  # stopped, let go on after the others decided
-            write({"event": "refused", "id": me, "at": time.time()})
+        except RankDeclaredLostError as exc:  # stopped and let go on, or cut off: the others went on
+            write({"event": "refused", "id": me, "at": time.time(), "error": type(exc).__name__,
+                   "message": str(exc)})
             sys.exit(1)
         optimizer.step()
         optimizer.zero_grad()
@@ -251,7 +256,11 @@ class Drill:
 
         changes = self.wait_for(went_on, 60, f"the survivors of {kind} on {victims} to go on")
         resumed = max(c["at"] for c in changes) - fault_at
-        refused = None
+        refused, cut_off = None, None
+        if kind == "link":  # the side without the store must end on an error of its own, not wait
+            ended = self.wait_for(lambda: self._ended(victims), 60, f"the cut-off ranks {victims} to raise")
+            cut_off = {str(r): {"error": e["error"], "after_s": e["at"] - fault_at, "message": e["message"]}
+                       for r, e in ended.items()}
         if kind == "comeback":  # let it go on: it must find itself declared lost, and end
             os.kill(self.pid(victims[0]), signal.SIGCONT)
             refused = bool(self.wait_for(lambda: [r for r in self.records.get(victims[0], [])
@@ -263,7 +272,7 @@ class Drill:
             subprocess.run(["ip", "link", "set", port, "up"], check=True)
         if not self.replace:
             return {"kind": kind, "lost": victims, "joined": [], "step": before, "resumed_s": resumed,
-                    "replacement_s": [], "refused": refused}
+                    "replacement_s": [], "join_s": [], "refused": refused, "cut_off": cut_off}
         if not self.by_launcher:  # the launcher starts them itself once their processes end
             for v in victims:
                 self.spawn_replacement(self.host_of[v])
@@ -274,13 +283,20 @@ class Drill:
             return joined if len(joined) == len(victims) else None
 
         joined = self.wait_for(grown_back, 60, f"replacements for {victims} to train")
-        training = []
+        training, joining = [], []
         for rid in sorted(joined):
             start = next(r for r in self.records[rid] if r.get("event") == "started")
             self.host_of[rid] = start["host"]
-            training.append(self.steps_of(rid)[0]["at"] - start["process_at"])
-        return {"kind": kind, "lost": victims, "joined": sorted(joined), "step": before,
-                "resumed_s": resumed, "replacement_s": training, "refused": refused}
+            first_step = self.steps_of(rid)[0]["at"]
+            training.append(first_step - start["process_at"])
+            joining.append(first_step - start["sync_at"])
+        return {"kind": kind, "lost": victims, "joined": sorted(joined), "step": before, "resumed_s": resumed,
+                "replacement_s": training, "join_s": joining, "refused": refused, "cut_off": cut_off}
+
+    def _ended(self, ranks: list[int]) -> dict[int, dict] | None:
+        """Each of ``ranks``' "refused" record (the error it raised), once every one logged it."""
+        ended = {r: next((e for e in self.records.get(r, []) if e.get("event") == "refused"), None) for r in ranks}
+        return ended if all(ended.values()) else None
 
     def check(self) -> dict:
         self.read()
@@ -354,7 +370,10 @@ def drive(args) -> dict:
                 results["failures"].append(outcome)
                 print(f"failure {n + 1}: {outcome['kind']:<8} lost {outcome['lost']} at step {outcome['step']}, "
                       f"went on {outcome['resumed_s']:.2f} s after, replacement(s) {outcome['joined']} training "
-                      f"{', '.join(f'{s:.2f}' for s in outcome['replacement_s'])} s after their start", flush=True)
+                      f"{', '.join(f'{s:.2f}' for s in outcome['replacement_s'])} s after their start (joining "
+                      f"{', '.join(f'{s:.2f}' for s in outcome['join_s'])} s)"
+                      + "".join(f"; cut-off rank {r} raised {e['error']} {e['after_s']:.1f} s after"
+                                for r, e in (outcome["cut_off"] or {}).items()), flush=True)
         finally:
             stop_at = max(args.steps or 0, drill.latest_step() + args.gap)
             (logs / "stop-at").write_text(str(stop_at))
@@ -390,12 +409,16 @@ def drive(args) -> dict:
         results["steps_per_s"] = _steps_per_s(drill, first, last)
     resumed = [f["resumed_s"] for f in results["failures"]]
     replaced = [s for f in results["failures"] for s in f["replacement_s"]]
+    joins = [s for f in results["failures"] for s in f["join_s"]]
+    cut_off = [e for f in results["failures"] if f["cut_off"] for e in f["cut_off"].values()]
     results["summary"] = {
         "failures": len(results["failures"]), "by_kind": {k: sum(f["kind"] == k for f in results["failures"])
                                                           for k in KINDS},
-        "resumed_s": _spread(resumed), "replacement_s": _spread(replaced),
+        "resumed_s": _spread(resumed), "replacement_s": _spread(replaced), "join_s": _spread(joins),
         "resumed_within_bound": sum(r <= RESUME_BOUND_S for r in resumed),
-        "replacements_within_bound": sum(s <= REPLACEMENT_BOUND_S for s in replaced), "replacements": len(replaced),
+        "joins_within_bound": sum(s <= JOIN_BOUND_S for s in joins), "replacements": len(replaced),
+        "cut_off_ranks": len(cut_off), "cut_off_errors": sorted({e["error"] for e in cut_off}),
+        "cut_off_raised_s": _spread([e["after_s"] for e in cut_off]),
         "comebacks_refused": sum(f.get("refused") is True for f in results["failures"])}
     return results
 

@@ -7,6 +7,8 @@ replacement whose heartbeat never moves."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 
@@ -16,6 +18,8 @@ import torch.distributed as dist
 from smddp_lite.membership import generations
 from smddp_lite.membership.heartbeat import Heartbeat
 from smddp_lite.membership.job_store import job_store
+
+from . import tiers
 
 STALE_S = 0.6
 
@@ -98,3 +102,73 @@ def test_a_barrier_ends_once_a_missing_member_stops_beating(hearts):
     made[3].stop()
     with pytest.raises(generations.MembersMissing, match="rank 3 of generation 1 .* stopped beating"):
         generations.barrier(store, made[0], 0, 1, (0, 3), timeout_s=30)
+
+
+def test_every_connection_to_the_store_gets_the_cut_off_bound():
+    """A TCPStore request to a host the network no longer reaches never returns by itself (the
+    lab's cut link: tests/test_survival_drill.py). The kernel's TCP_USER_TIMEOUT on each of this
+    process's connections to the store ends it; the listening side and other sockets are left."""
+    import socket
+
+    from smddp_lite.membership.store_link import _TCP_USER_TIMEOUT, bound_unacknowledged_requests
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    clients = [dist.TCPStore("127.0.0.1", server.port, is_master=False) for _ in range(2)]
+    unrelated = socket.create_server(("127.0.0.1", 0))
+    try:
+        assert bound_unacknowledged_requests(dist.HashStore(), 7.5) == 0  # no connection to bound
+        # the server's own client, and both others, wrapped or not
+        assert bound_unacknowledged_requests(dist.PrefixStore("job/", clients[0]), 7.5) == 3
+        bounds = []
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            with contextlib.suppress(OSError):
+                held = socket.socket(fileno=fd)
+                try:
+                    if held.family in (socket.AF_INET, socket.AF_INET6) and held.type == socket.SOCK_STREAM:
+                        peer = held.getpeername() if not held.getsockopt(socket.SOL_SOCKET,
+                                                                         socket.SO_ACCEPTCONN) else None
+                        bounds.append((peer and peer[1] == server.port,
+                                       held.getsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT)))
+                finally:
+                    held.detach()
+        assert sorted(b for to_store, b in bounds if to_store) == [7500] * 3
+        assert all(b == 0 for to_store, b in bounds if not to_store), bounds
+        clients[1].add("still", 1)  # a bounded connection works as before
+        assert clients[0].add("still", 0) == 1
+    finally:
+        unrelated.close()
+
+
+@tiers.FULL_ONLY
+def test_a_heartbeat_whose_store_stops_answering_stops_and_says_why():
+    """A store host that acknowledges but never answers (its process stopped): no socket bound
+    ends the request, so the heartbeat's watchdog does, after the cut-off time, and the rank
+    hears why instead of waiting in the request for good."""
+    import signal
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from smddp_lite.membership.heartbeat import cut_off_after
+
+    code = ("import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
+            "wait_for_workers=False); print(s.port, flush=True); time.sleep(300)")
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    stopped, heart = [], None
+    try:
+        port = int(server.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        heart = Heartbeat(job_store(client, "0"), 0, STALE_S, on_stopped=stopped.append)
+        os.kill(server.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        while not stopped and time.monotonic() - began < cut_off_after(STALE_S) + 10:
+            time.sleep(0.1)
+        took = time.monotonic() - began
+        assert stopped and "answered none of this rank's requests" in stopped[0], stopped
+        assert cut_off_after(STALE_S) <= took < cut_off_after(STALE_S) + 3, took
+        assert not heart.beating()
+    finally:
+        server.kill()
+        server.wait()
+        if heart is not None:
+            heart.stop()

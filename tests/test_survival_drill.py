@@ -1,9 +1,9 @@
 """The lost-rank drill at a small size, in the multi-host lab: 2 simulated hosts x 2 ranks at
 1 Gbit/s, one failure of each kind (a rank SIGKILLed, stopped, exiting; the second host's link
-down; two ranks killed at once; a stopped rank let go on, which must be refused), each followed
-by the replacements that each host's ``python -m smddp_lite.launch`` starts
-(benchmarks/survival_drill.py, whose full run makes 200); for a plain module and for a
-DistributedDataParallel model."""
+down, whose ranks must raise a clear error; two ranks killed at once; a stopped rank let go on,
+which must be refused), each followed by the replacements that each host's
+``python -m smddp_lite.launch`` starts (benchmarks/survival_drill.py, whose full run makes 200);
+for a plain module and for a DistributedDataParallel model."""
 
 from __future__ import annotations
 
@@ -35,8 +35,11 @@ def test_the_lab_drill_trains_through_each_kind_of_failure(model, tmp_path):
     assert results["steps_with_differing_parameters"] == [], results["steps_with_differing_parameters"]
     assert summary["resumed_within_bound"] == len(kinds), results["failures"]
     replaced = len(kinds) + ("link" in kinds) + ("pair" in kinds)  # both ranks of a host, or two at once
-    assert summary["replacements"] == replaced and summary["replacements_within_bound"] == replaced, \
-        results["failures"]
+    # timed from the replacement's SurvivingSync: its imports and model before it are the script's
+    assert summary["replacements"] == replaced and summary["joins_within_bound"] == replaced, results["failures"]
+    # the host cut off (from the others and the store) ends on an error that says so, not a hang
+    assert summary["cut_off_ranks"] == 2 * ("link" in kinds), results["failures"]
+    assert summary["cut_off_errors"] == ["HeartbeatStoppedError"] * ("link" in kinds), results["failures"]
     assert results["unplanned_losses"] == [], results.get("outputs")
     assert results["ranks_done"] == 4 and len(results["held_out_loss"]) == 1, results
     assert summary["comebacks_refused"] == int("comeback" in kinds), results["failures"]

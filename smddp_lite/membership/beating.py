@@ -10,8 +10,9 @@ never beats again.
 
 Run by path, not as ``-m smddp_lite...``: the package's import (the backend, its transports)
 would double the start-up. Its arguments are the rank's pid, the store's host and port, the
-job's prefix in it, the counter's key and the interval in seconds. It says ``beating`` on stdout
-after its first beat; on a store error it writes the error to stderr and exits with status 1.
+job's prefix in it, the counter's key, the interval in seconds and how long a store request may
+wait. It says ``beating`` on stdout after its first beat; on a store error it writes the error
+to stderr and exits with status 1.
 """
 
 from __future__ import annotations
@@ -34,14 +35,26 @@ def stopped(pid: int) -> bool:
     return fields[0] in (b"T", b"t")
 
 
-def main(argv: list[str]) -> int:
-    parent, host, port, prefix, key, beat_s = (int(argv[0]), argv[1], int(argv[2]), argv[3], argv[4],
-                                               float(argv[5]))
+def _store_link():
+    """Its neighbour module, imported without the package (whose import would load the backend)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
-        store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30)))
+        import store_link
+    finally:
+        sys.path.pop(0)
+    return store_link
+
+
+def main(argv: list[str]) -> int:
+    parent, host, port, prefix, key, beat_s, timeout_s = (int(argv[0]), argv[1], int(argv[2]), argv[3], argv[4],
+                                                          float(argv[5]), float(argv[6]))
+    try:
+        store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False,
+                                                       timeout=timedelta(seconds=timeout_s)))
     except Exception as exc:
         print(f"the heartbeat's process could not reach the store at {host}:{port}: {exc!r}", file=sys.stderr)
         return 1
+    _store_link().bound_unacknowledged_requests(store, timeout_s)  # cut off, it ends rather than hang
     announced = False
     while os.getppid() == parent:
         if not stopped(parent):

@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 import torch.distributed as dist
 
 from ..backend import before_exit
-from . import beating
+from . import beating, store_link
 from .errors import HeartbeatStoppedError
 from .job_store import JobStore
 
@@ -38,6 +38,14 @@ _log = logging.getLogger("smddp_lite")
 BEAT_S = 0.5  # how often a rank adds to its counter
 LOOK_S = 0.25  # how often it reads the others': a stale counter is seen within this of stale_after
 PROCESS_START_S = 60.0  # how long making a Heartbeat waits for its process's first beat (importing torch)
+
+
+def cut_off_after(stale_after_s: float) -> float:
+    """How long a store request of the heartbeat may wait before this rank takes itself for cut
+    off from the store. The members declare a rank lost once its counter stood still for
+    ``stale_after``: a rank whose requests went unanswered for five times that has been given
+    up by every member that still reaches the store, and it should say so, not wait on."""
+    return max(10.0, 5 * stale_after_s)
 
 
 class Heartbeat:
@@ -50,7 +58,10 @@ class Heartbeat:
         self.on_stale, self.on_stopped = on_stale, on_stopped
         self._stop = threading.Event()
         # a client of its own: a request of the watch never waits behind the training's
-        self._store = JobStore(store.prefix, _own_client(store.root))
+        self._store = JobStore(store.prefix, _own_client(store.root, cut_off_after(stale_after_s)))
+        # this process's store requests (the training's, the backend's, this heartbeat's) fail once
+        # unacknowledged for the cut-off time, rather than wait for good on a cut-off host
+        store_link.bound_unacknowledged_requests(store.root, cut_off_after(stale_after_s))
         self._store.add(self.key(rank), 1)
         self.tickets = 0  # replacements that asked to join so far, as last read
         self._lock = threading.Lock()
@@ -63,8 +74,12 @@ class Heartbeat:
         self._process = self._start_process(store)
         self._thread_beats = True  # until the process says it beats
         self._process_beating = threading.Event()
+        self._rounds = 0  # the thread's rounds of store requests done: the watchdog sees it move
         self._thread = threading.Thread(target=self._run, name="smddp-heartbeat", daemon=True)
         self._thread.start()
+        # a store request to a host cut off by the network never returns (the client's timeout
+        # bounds its connecting and its waits for keys, not a reply that never comes)
+        threading.Thread(target=self._watch_the_store, name="smddp-heartbeat-watchdog", daemon=True).start()
         before_exit.stop_at_exit(self.stop)
         if wait_for_process:
             self._wait_for_process()
@@ -81,7 +96,8 @@ class Heartbeat:
         # -P: the script's folder (this package's) is not put on sys.path before torch's
         isolate = ["-P"] if sys.version_info >= (3, 11) else []
         command = [sys.executable, *isolate, beating.__file__, str(os.getpid()), store.root.host,
-                   str(store.root.port), store.prefix, self.key(self.rank), str(BEAT_S)]
+                   str(store.root.port), store.prefix, self.key(self.rank), str(BEAT_S),
+                   str(cut_off_after(self.stale_after_s))]
         # torch's import would load this library's backend through its entry point: not needed to beat
         env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
         try:
@@ -161,6 +177,7 @@ class Heartbeat:
                     self.tickets = self._store.add("tickets", 0)
                     next_beat = time.monotonic() + BEAT_S
                 self._look()
+                self._rounds += 1
             except Exception as exc:
                 # the store's host is gone (at the job's end, where a rank hosts it) or this
                 # rank's client failed: the next sync() raises rather than train on unheard
@@ -179,8 +196,29 @@ class Heartbeat:
             raise RuntimeError(f"the heartbeat's process (pid {self._process.pid}) {how}"
                                + (f": {said_}" if said_ else ""))
 
+    def _watch_the_store(self) -> None:
+        """End the beating once the thread's store requests went unanswered for the cut-off time
+        (``cut_off_after``). Only the time this watchdog saw pass counts, a tick at most twice
+        LOOK_S: a rank stopped (SIGSTOP) or holding the GIL for long does not count as cut off."""
+        cut_off_s = cut_off_after(self.stale_after_s)
+        stalled, seen, last = 0.0, -1, time.monotonic()
+        while not self._stop.wait(LOOK_S):
+            now, rounds = time.monotonic(), self._rounds
+            stalled = stalled + min(now - last, 2 * LOOK_S) if rounds == seen else 0.0
+            seen, last = rounds, now
+            if stalled >= cut_off_s and self.failure is None:
+                root = self.store.root
+                where = f" at {root.host}:{root.port}" if isinstance(root, dist.TCPStore) else ""
+                self._stopped_on(TimeoutError(
+                    f"the job's store{where} answered none of this rank's requests for {stalled:.0f} s: this "
+                    "host is cut off from it (a network partition, or the store's host is down)"))
+                return
+
     def _stopped_on(self, exc: BaseException) -> None:
-        self.failure = exc
+        with self._lock:
+            if self.failure is not None:  # the thread and the watchdog may both find it
+                return
+            self.failure = exc
         _log.warning("smddp: rank %d's heartbeat stopped: %r", self.rank, exc)
         if self.on_stopped is not None:
             self.on_stopped(f"this rank's heartbeat stopped ({exc!r})")
@@ -252,9 +290,9 @@ class Heartbeat:
         return self._process
 
 
-def _own_client(store: dist.Store) -> dist.Store:
+def _own_client(store: dist.Store, timeout_s: float) -> dist.Store:
     if isinstance(store, dist.TCPStore):
-        return dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=30))
+        return dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout_s))
     return store
 
 
