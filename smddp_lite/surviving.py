@@ -97,6 +97,10 @@ class Change:
     # the first sync whose average the new members make, the same on every rank (``step`` is
     # this rank's: after a loss, a rank whose average had arrived is one sync ahead)
     first_step: int
+    # the job's state this rank received, in bytes, and the seconds it took: a replacement's
+    # (parameters, buffers, optimizer state); 0 for a member, which holds it already
+    state_bytes: int = 0
+    state_seconds: float = 0.0
 
 
 class SurvivingSync:
@@ -372,6 +376,7 @@ class SurvivingSync:
         self._first_world = int(store.get("first_world"))
         self.first_rank = self._first_world + store.add("ids", 1) - 1
         self._holds_state = False
+        self._received_state = (0, 0.0)
         backend, timeout_s = store.get("how").decode().split(",")
         self._backend, self._timeout = backend, float(timeout_s)
         # (its thread beats until the process does: a replacement only waits, with the GIL free,
@@ -507,11 +512,14 @@ class SurvivingSync:
         lost = tuple(r for r in before if r not in members)
         # (a replacement knew no members before: it and those admitted with it joined)
         joined = tuple(members[r] for r in newcomers) if not before else tuple(r for r in members if r not in before)
+        state_bytes, state_seconds = self._received_state if not before else (0, 0.0)
         change = Change(generation, lost, joined, members, dist.get_rank(), dist.get_world_size(),
-                        interrupted if before else self.step, time.monotonic() - started, self._first_new_step)
+                        interrupted if before else self.step, time.monotonic() - started, self._first_new_step,
+                        state_bytes, state_seconds)
         if not before:
-            _log.warning("smddp: joined as rank %d of %d at sync %d, %.2f s after starting", change.rank,
-                         change.world_size, self.step, change.seconds)
+            _log.warning("smddp: joined as rank %d of %d at sync %d, %.2f s after starting; received the job's "
+                         "state (%.3f GB) in %.2f s (%.2f GB/s)", change.rank, change.world_size, self.step,
+                         change.seconds, state_bytes / 1e9, state_seconds, state_bytes / 1e9 / max(state_seconds, 1e-9))
         else:
             what = "; ".join(f"{w} {said(r)}" for w, r in (("lost", lost), ("admitted", joined)) if r)
             _log.warning("smddp: %s; %d ranks now (this one is rank %d), %.2f s after %s at sync %d%s",
@@ -620,7 +628,10 @@ class SurvivingSync:
             if me == healer:
                 surviving_state.send(newcomers, model, self.optimizer, self._state_extras())
             elif me in newcomers:
-                self._take_state(surviving_state.receive(healer, model, self.optimizer))
+                began = time.monotonic()
+                received = surviving_state.receive(healer, model, self.optimizer)
+                self._received_state = (received.bytes, time.monotonic() - began)
+                self._take_state(received.extras)
             if self._buckets is not None:  # a replacement's first bucket layout differs from the others'
                 self._buckets.flat_steps.add(ahead)
         return settled, newcomers

@@ -282,23 +282,21 @@ def _fully_sharded() -> torch.nn.Module:
 
 def _die_while_sending_the_state(marks: str, rank: int) -> None:
     """Make this rank die (SIGKILL) half-way through sending the job's state to a replacement:
-    after the header, before the first flat tensor of the state."""
+    after the header, as it sends the first chunk of the tensors."""
     import smddp_lite.surviving_state as surviving_state
 
-    send_state, send = surviving_state.send, dist.send
+    send_state, isend = surviving_state.send, dist.isend
 
     def dies(*args) -> None:
-        sent = []
+        def killed(*_args, **_named):
+            Path(marks, f"fault-{rank}").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
 
-        def counted(tensor, dst, *more, **named):
-            sent.append(dst)
-            if len(sent) == 3:
-                Path(marks, f"fault-{rank}").write_text(repr(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
-            return send(tensor, dst, *more, **named)
-
-        dist.send = counted
-        send_state(*args)
+        dist.isend = killed
+        try:
+            send_state(*args)
+        finally:
+            dist.isend = isend
 
     surviving_state.send = dies
 
@@ -341,12 +339,14 @@ def state_transfer() -> dict:
 
     model = list(net.parameters()) + list(net.buffers())
     extras = None
+    # chunks of 1000 bytes: tensors of every dtype span chunks, and chunks span tensors
+    surviving_state.CHUNK_BYTES = 1000
     if rank == 0:
         for _ in range(3):
             step()
         surviving_state.send([1], model, optimizer, {"step": 3, "sampler": None})
     else:
-        extras = surviving_state.receive(0, model, optimizer)
+        extras = surviving_state.receive(0, model, optimizer).extras
     step()
     state = optimizer.state_dict()["state"]
     held = {"params": [p.detach().double().sum().item() for p in net.parameters()],
