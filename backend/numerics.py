@@ -3,7 +3,10 @@ sharded step call it, so each rule has one home (STYLE.md 8c).
 
 - AVG is a SUM across the ranks and one division at the end (``across_ranks``, ``finish_``,
   ``averaged_``): floats divided before their one rounding, integers truncated toward zero, as
-  NCCL averages them (torch's "nccl" backend accepts integer AVG).
+  NCCL averages them (torch's "nccl" backend accepts integer AVG). A gradient average made of a
+  SUM, where the group may have no AVG (gloo has none), divides each rank's share before the SUM,
+  in the copy it makes anyway (``share_of_mean``): SurvivingSync's module and DDP paths, as
+  torch's DDP divides before its all_reduce.
 - A PREMUL_SUM is a SUM of inputs each rank first multiplies by a factor (``reduction``,
   ``premultiplied``).
 - Complex SUM and AVG are the sums of their real and imaginary parts (``complex_as_real``).
@@ -53,6 +56,12 @@ def averaged_(total: torch.Tensor, ranks: int) -> torch.Tensor:
     """``total``, a sum over ``ranks`` ranks, divided in place into their mean: a float exactly
     (before any rounding to 16 bits), an integer truncated toward zero, as NCCL averages integers."""
     return total.div_(ranks) if total.is_floating_point() else total.div_(ranks, rounding_mode="trunc")
+
+
+def share_of_mean(tensor: torch.Tensor, ranks: int, out: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a mean over ``ranks`` ranks, written into ``out`` (a float buffer the
+    caller then SUMs across the ranks): ``tensor`` divided by ``ranks``, in the one copy."""
+    return torch.div(tensor, ranks, out=out)
 
 
 def finish_(total: torch.Tensor, op: RedOp, ranks: int, into: torch.Tensor | None = None) -> None:

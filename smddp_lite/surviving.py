@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .backend import before_exit
+from .backend import before_exit, numerics
 from .backend.errors import CollectiveMismatchError, SMDDPError
 from .launch import init, standing_by
 from .membership.errors import (  # HeartbeatStoppedError: raised here through the heartbeat, caught by users
@@ -331,6 +331,7 @@ class SurvivingSync:
     def _average(self, step: int) -> None:
         averages = self._averages[step % 2]
         offsets = dict.fromkeys(averages, 0)
+        world = dist.get_world_size()
         for p in self.params:
             flat = averages[p.dtype]
             at = offsets[p.dtype]
@@ -338,15 +339,13 @@ class SurvivingSync:
             if p.grad is None:
                 view.zero_()
             else:
-                view.copy_(p.grad.reshape(-1))
+                numerics.share_of_mean(p.grad.reshape(-1), world, out=view)
             offsets[p.dtype] = at + p.numel()
         tickets = self._heart.tickets if dist.get_rank() == 0 else 0
         control = averages[self._carrier][-1:] if self._carrier else self._control
         control.fill_(tickets)
-        world = dist.get_world_size()
-        for dtype, flat in averages.items():
+        for flat in averages.values():
             dist.all_reduce(flat)
-            (flat[:-1] if dtype == self._carrier else flat).div_(world)
         if self._control is not None:
             dist.all_reduce(self._control)
         self._tickets_seen = max(self._tickets_seen, int(control.item()))

@@ -1,9 +1,9 @@
 """DistributedDataParallel under ``SurvivingSync``: DDP keeps its buckets and their overlap with
 backward, through a comm hook that never raises and keeps what a redo needs.
 
-The hook averages each bucket into a buffer of its own (``torch.div`` by the world size, then an
-asynchronous all_reduce), two sets of buffers by step parity, because a survivor one step ahead
-must still hold the average that the others missed. A failed call is recorded, never raised:
+The hook averages each bucket into a buffer of its own (divided by the world size as it is
+copied, ``numerics.share_of_mean``, then an asynchronous all_reduce), two sets of buffers by step
+parity, because a survivor one step ahead must still hold the average that the others missed. A failed call is recorded, never raised:
 its future completes with the bucket's own gradients, so backward ends and ``sync()`` can settle
 the step. The bucket's gradients before the average stay where the redo finds them: in DDP's
 bucket, which it copies into ``param.grad`` from our buffer and does not overwrite, or, with
@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+from .backend import numerics
 
 
 class DDPBuckets:
@@ -110,7 +112,7 @@ class DDPBuckets:
         where it rides there; returns what is reduced and the part of it that is the bucket."""
         average = self._average_buffer(step, i, grads)
         part = average[:grads.numel()]
-        torch.div(grads, dist.get_world_size(), out=part)
+        numerics.share_of_mean(grads, dist.get_world_size(), out=part)
         if average.numel() > grads.numel():
             average[-1] = self.tickets() if dist.get_rank() == 0 else 0
         return average, part
