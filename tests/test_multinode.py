@@ -32,14 +32,27 @@ def test_topology_groups_ranks_by_host_in_rank_order():
 def test_quick_scaling_run_on_two_simulated_hosts(launcher):
     if launcher == "mpiexec" and shutil.which("mpiexec") is None:
         pytest.skip("mpiexec not installed (from the checkout: pip install -e '.[mpi]')")
-    out = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--quick", "--launcher", launcher], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    run = subprocess.Popen([sys.executable, "-m", "benchmarks.scaling", "--quick", "--launcher", launcher], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = run.communicate(timeout=600)
+    finally:
+        run.kill()
+    assert run.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    report = json.loads(stdout.strip().splitlines()[-1])
     assert report["world"] == 2 and report["samples_per_s"] > 0
     assert report["rank_hosts"] == ["sim-host-0", "sim-host-1"], "each rank should run on its own simulated host"
+    # its own namespaces only: another test's lab may run beside it (pytest -n), or one a killed
+    # run left behind
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "smddp" not in listed, f"namespaces left behind: {listed}"
+    ours = [line for line in listed.splitlines() if any(line.startswith(f"smddp{tag}h") for tag in _tags_of(run.pid))]
+    assert not ours, f"namespaces left behind: {ours}"
+
+
+def _tags_of(pid: int) -> set[int]:
+    """The tags of the clusters process ``pid`` made (benchmarks/multinode/cluster.py names its
+    namespaces smddp<tag>h<host>, the tag from its pid and a count of its clusters)."""
+    return {(pid * 10 + made) % 100000 for made in range(1, 10)}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
