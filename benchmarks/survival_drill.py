@@ -16,7 +16,10 @@ time:
   the store) until its ranks have raised the error that says so;
 - ``pair``: two ranks SIGKILLed at once;
 - ``comeback``: a rank stopped, and let go on once the others went on without it, which must
-  end it with ``RankDeclaredLostError``.
+  end it with ``RankDeclaredLostError``;
+- ``ghost``: a rank SIGKILLed, and its first replacement dying (``os._exit``) ``GHOST_AFTER_S``
+  into its SurvivingSync, while it waits to be admitted with its ticket taken: the members must
+  refuse it (or, where it was admitted first, lose it), and the next replacement must join.
 
 The survivors must go on within ``stale_after`` (2 s) and a second of each (the heartbeat
 finds the silent ones). The driver then ends what is left of the lost ranks, and waits for the
@@ -47,6 +50,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -57,7 +61,8 @@ STARTED_AT = time.time()  # this process's start (before torch's import), for a 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORE_PORT = 29500
 GROUP_TIMEOUT_S = 1800.0  # torch's default: no failure may wait for it
-KINDS = ("sigkill", "sigstop", "exit", "link", "pair", "comeback")
+KINDS = ("sigkill", "sigstop", "exit", "link", "pair", "comeback", "ghost")
+GHOST_AFTER_S = 0.4  # from its SurvivingSync's start: after its ticket, before its admission
 RESUME_BOUND_S = 3.0  # after any failure: the heartbeat's stale_after (2 s) and a second
 # from a replacement's SurvivingSync (its script's imports and model are its own) to its first step
 JOIN_BOUND_S = 5.0
@@ -90,6 +95,11 @@ def worker(args) -> None:
         log.flush()
 
     pending = []
+    armed = logs / "ghost-armed"
+    if os.environ.get("SMDDP_REPLACEMENT") and armed.exists():
+        with contextlib.suppress(FileNotFoundError):  # another replacement took it first
+            os.rename(armed, logs / f"ghost-{os.getpid()}")
+            threading.Timer(GHOST_AFTER_S, os._exit, args=(7,)).start()
     sync_at = time.time()
     sync = smddp_lite.SurvivingSync(trained, optimizer, timeout=timedelta(seconds=args.group_timeout),
                                     on_change=lambda c: pending.append(c))
@@ -238,7 +248,9 @@ class Drill:
         self.victims.update(victims)
         fault_at = time.time()
         port = f"{self.cluster.bridge}p{self.cluster.hosts - 1}"
-        if kind in ("sigkill", "pair"):
+        if kind == "ghost":  # the next replacement to start takes it
+            (self.logs / "ghost-armed").write_text(str(victims[0]))
+        if kind in ("sigkill", "pair", "ghost"):
             for v in victims:
                 os.kill(self.pid(v), signal.SIGKILL)
         elif kind in ("sigstop", "comeback"):
@@ -272,9 +284,9 @@ class Drill:
             subprocess.run(["ip", "link", "set", port, "up"], check=True)
         if not self.replace:
             return {"kind": kind, "lost": victims, "joined": [], "step": before, "resumed_s": resumed,
-                    "replacement_s": [], "join_s": [], "refused": refused, "cut_off": cut_off}
+                    "replacement_s": [], "join_s": [], "refused": refused, "cut_off": cut_off, "ghost": None}
         if not self.by_launcher:  # the launcher starts them itself once their processes end
-            for v in victims:
+            for v in victims + victims[:kind == "ghost"]:  # a ghost's successor too
                 self.spawn_replacement(self.host_of[v])
         first_new = max(self.host_of) + 1
 
@@ -290,8 +302,28 @@ class Drill:
             first_step = self.steps_of(rid)[0]["at"]
             training.append(first_step - start["process_at"])
             joining.append(first_step - start["sync_at"])
+        ghost = self._ghost_outcome(fault_at) if kind == "ghost" else None
         return {"kind": kind, "lost": victims, "joined": sorted(joined), "step": before, "resumed_s": resumed,
-                "replacement_s": training, "join_s": joining, "refused": refused, "cut_off": cut_off}
+                "replacement_s": training, "join_s": joining, "refused": refused, "cut_off": cut_off, "ghost": ghost}
+
+    def _ghosts_lost(self) -> set[int]:
+        """Ids the members lost that never logged a record: replacements that died while they
+        joined (the ``ghost`` kind's, admitted before they died)."""
+        lost = {r for rid in self.records for c in self.records[rid] if c.get("event") == "change" for r in c["lost"]}
+        return {r for r in lost if r not in self.records}
+
+    def _ghost_outcome(self, fault_at: float) -> str:
+        """What became of the ghost: "refused" (the members' change with no one lost or joined),
+        "lost after its admission", or "died before its ticket" (the members saw nothing)."""
+        if not list(self.logs.glob("ghost-[0-9]*")):
+            raise RuntimeError("no replacement took the ghost's part")
+        changes = [c for rid in self.records for c in self.records[rid]
+                   if c.get("event") == "change" and c["at"] >= fault_at]
+        if any(not c["lost"] and not c["joined"] for c in changes):
+            return "refused"
+        if any(r in self._ghosts_lost() for c in changes for r in c["lost"]):
+            return "lost after its admission"
+        return "died before its ticket"
 
     def _ended(self, ranks: list[int]) -> dict[int, dict] | None:
         """Each of ``ranks``' "refused" record (the error it raised), once every one logged it."""
@@ -311,6 +343,7 @@ class Drill:
         differing = sorted(step for step, sums in by_step.items() if len(sums) > 1)
         done = [r for rid in self.records for r in self.records[rid] if r.get("event") == "done"]
         lost = {r for rid in self.records for c in self.records[rid] if c.get("event") == "change" for r in c["lost"]}
+        lost -= self._ghosts_lost()
         return {"steps": len(by_step), "steps_with_differing_parameters": differing[:20],
                 "unplanned_losses": sorted(lost - self.victims),
                 # the batches the steps averaged, against a run that never shrank
@@ -373,7 +406,9 @@ def drive(args) -> dict:
                       f"{', '.join(f'{s:.2f}' for s in outcome['replacement_s'])} s after their start (joining "
                       f"{', '.join(f'{s:.2f}' for s in outcome['join_s'])} s)"
                       + "".join(f"; cut-off rank {r} raised {e['error']} {e['after_s']:.1f} s after"
-                                for r, e in (outcome["cut_off"] or {}).items()), flush=True)
+                                for r, e in (outcome["cut_off"] or {}).items())
+                      + (f"; its first replacement, a ghost: {outcome['ghost']}" if outcome["ghost"] else ""),
+                      flush=True)
         finally:
             stop_at = max(args.steps or 0, drill.latest_step() + args.gap)
             (logs / "stop-at").write_text(str(stop_at))
@@ -419,7 +454,8 @@ def drive(args) -> dict:
         "joins_within_bound": sum(s <= JOIN_BOUND_S for s in joins), "replacements": len(replaced),
         "cut_off_ranks": len(cut_off), "cut_off_errors": sorted({e["error"] for e in cut_off}),
         "cut_off_raised_s": _spread([e["after_s"] for e in cut_off]),
-        "comebacks_refused": sum(f.get("refused") is True for f in results["failures"])}
+        "comebacks_refused": sum(f.get("refused") is True for f in results["failures"]),
+        "ghosts": [f["ghost"] for f in results["failures"] if f["ghost"]]}
     return results
 
 

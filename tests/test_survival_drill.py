@@ -1,9 +1,9 @@
 """The lost-rank drill at a small size, in the multi-host lab: 2 simulated hosts x 2 ranks at
 1 Gbit/s, one failure of each kind (a rank SIGKILLed, stopped, exiting; the second host's link
 down, whose ranks must raise a clear error; two ranks killed at once; a stopped rank let go on,
-which must be refused), each followed by the replacements that each host's
-``python -m smddp_lite.launch`` starts (benchmarks/survival_drill.py, whose full run makes 200);
-for a plain module and for a DistributedDataParallel model."""
+which must be refused; a replacement dying while it joins), each followed by the replacements
+that each host's ``python -m smddp_lite.launch`` starts (benchmarks/survival_drill.py, whose full
+run makes 200); for a plain module and for a DistributedDataParallel model."""
 
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ def test_the_lab_drill_trains_through_each_kind_of_failure(model, tmp_path):
     assert results["unplanned_losses"] == [], results.get("outputs")
     assert results["ranks_done"] == 4 and len(results["held_out_loss"]) == 1, results
     assert summary["comebacks_refused"] == int("comeback" in kinds), results["failures"]
+    # a replacement that died while it joined: refused (or lost, where admitted first), never a split
+    assert len(summary["ghosts"]) == int("ghost" in kinds), results["failures"]
+    assert set(summary["ghosts"]) <= {"refused", "lost after its admission", "died before its ticket"}
     assert results["launchers_exit"] == [0, 0], results["launchers_exit"]  # the job's status: it ended well
     assert results["agents_hung"] == [] and all(not pids for pids in results["processes_left"].values()), results
     assert all(not names for names in results["shm_left"].values()), results["shm_left"]
