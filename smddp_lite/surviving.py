@@ -78,6 +78,7 @@ from .membership.job_store import (
 )
 from . import surviving_state
 from .sampling import ElasticSampler
+from .surviving_compiled import CompiledSteps
 from .surviving_ddp import DDPBuckets, refuse_wrappers_that_cannot_survive
 
 _log = logging.getLogger("smddp_lite")
@@ -176,14 +177,18 @@ class SurvivingSync:
         self._carrier = next((d for d in (torch.float32, torch.float64) if d in by_dtype), None)
         device = self.params[0].device
         # two averages per dtype: this step's, and the last one, which a lagging survivor may need
-        self._averages = [{dtype: torch.zeros(n + (dtype == self._carrier), dtype=dtype, device=device)
-                           for dtype, n in by_dtype.items()} for _ in range(2)]
-        self._control = None if self._carrier else torch.zeros(1, dtype=torch.float32, device=device)
         self._commit_flag = torch.zeros(1, dtype=torch.int32, device=device)
-        self._buckets: DDPBuckets | None = None
+        self._buckets: DDPBuckets | CompiledSteps | None = None
         if isinstance(model, DistributedDataParallel):
             self._buckets = DDPBuckets(model, tickets=lambda: self._heart.tickets, step=lambda: self.step)
+        elif _is_compiled(model):
+            self._buckets = CompiledSteps(model, tickets=lambda: self._heart.tickets)
+        if self._buckets is not None:  # their backward reduces: replacements come in before the forward
             model.register_forward_pre_hook(self._before_forward)
+        # the flat path's averages (a compiled step never takes it: its buckets are its own)
+        self._averages = [{dtype: torch.zeros(n + (dtype == self._carrier), dtype=dtype, device=device)
+                           for dtype, n in by_dtype.items()} for _ in range(2)] if not _is_compiled(model) else []
+        self._control = None if self._carrier else torch.zeros(1, dtype=torch.float32, device=device)
         store = standing_by() if dist.is_initialized() else running_job_store()
         if store is not None:
             self._join(store, timeout)
@@ -240,7 +245,7 @@ class SurvivingSync:
         """Average every parameter's gradient over the live ranks, in place in ``param.grad``."""
         self._heart.raise_if_stopped()
         if self._buckets is not None and self.step not in self._buckets.flat_steps:
-            self._settle_ddp_step()
+            self._settle_bucketed_step()
         else:
             self._sync_flat()
         if self._buckets is not None:  # a survivor a step ahead may still send the one before
@@ -267,9 +272,10 @@ class SurvivingSync:
             self.step += 1
             return
 
-    def _settle_ddp_step(self) -> None:
-        """DDP's hooks averaged the buckets during backward; after a failed call, agree on who is
-        left and average the kept buckets again, or take a survivor's that is a step ahead."""
+    def _settle_bucketed_step(self) -> None:
+        """DDP's hooks (or the compiled model's reducer) averaged the buckets during backward;
+        after a failed call, agree on who is left and average the kept buckets again, or take a
+        survivor's that is a step ahead."""
         buckets = self._buckets
         failure = buckets.finish()
         if failure is None:
@@ -284,16 +290,14 @@ class SurvivingSync:
                 self._sync_flat()
                 return
             try:
-                tickets = buckets.reduce_again(self.step)
+                buckets.reduce_again(self.step)
                 self._commit()
             except CollectiveMismatchError:
                 raise
             except dist.DistError as again:  # another rank lost during the redo
                 failure = again
                 continue
-            self._tickets_seen = max(self._tickets_seen, tickets)
-            self.step += 1
-            return
+            break
         self._tickets_seen = max(self._tickets_seen, buckets.arrived(self.step))
         self.step += 1
 
@@ -311,7 +315,8 @@ class SurvivingSync:
         (stopped, cut off) before every member had it never applies a step the others redo
         without it; a member whose commit returned is a step ahead, and the others, whose
         averages had all arrived, take the step from it after a loss (``_settle``)."""
-        dist.all_reduce(self._commit_flag)
+        carried = self._buckets.commit_tensor(self.step) if self._buckets is not None else None
+        dist.all_reduce(carried if carried is not None else self._commit_flag)
         # over shared memory the call can complete on what the others posted before they left
         # (they were interrupted waiting for this rank): ask the group whether anyone left
         check = getattr(_backend_of(self._commit_flag.device), "raise_if_a_peer_left", None)
@@ -631,8 +636,8 @@ class SurvivingSync:
                 received = surviving_state.receive(healer, model, self.optimizer)
                 self._received_state = (received.bytes, time.monotonic() - began)
                 self._take_state(received.extras)
-            if self._buckets is not None:  # a replacement's first bucket layout differs from the others'
-                self._buckets.flat_steps.add(ahead)
+            if self._buckets is not None:
+                self._buckets.newcomers_at(ahead)
         return settled, newcomers
 
     def _state_extras(self) -> dict:
@@ -646,6 +651,13 @@ class SurvivingSync:
         if self.sampler is not None and extras["sampler"] is not None:
             self.sampler.load_state_dict(extras["sampler"])
             self.sampler.me = self.first_rank
+
+
+def _is_compiled(model: object) -> bool:
+    """A ``smddp_lite.compile`` model (looked up, not imported: the compiler's import is a
+    replacement's time, and a model of it cannot exist before it is imported)."""
+    compiled = sys.modules.get("smddp_lite.compiler.model")
+    return compiled is not None and isinstance(model, compiled.CompiledModel)
 
 
 def _backend_of(device: torch.device) -> object | None:

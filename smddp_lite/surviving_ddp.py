@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .backend import numerics
+from .surviving_control import RankZeroControl
 
 
 class DDPBuckets:
@@ -47,9 +48,7 @@ class DDPBuckets:
         # rank 0's buffers ride in the control call: DDP's own broadcast of them is turned off
         self.buffers = [b for b in ddp.module.buffers()] if ddp.forward_sync_buffers else []
         ddp.forward_sync_buffers = False
-        size = 1 + sum(b.numel() for b in self.buffers)
-        device = next(ddp.module.parameters()).device
-        self._controls = [torch.zeros(size, dtype=torch.float64, device=device) for _ in range(2)]
+        self.control = RankZeroControl(self.buffers, next(ddp.module.parameters()).device)
         self._control_work: dist.Work | None = None
         ddp.register_comm_hook(None, self._hook)
 
@@ -118,16 +117,7 @@ class DDPBuckets:
         return average, part
 
     def fill_control(self, step: int) -> torch.Tensor:
-        control = self._controls[step % 2]
-        if dist.get_rank() == 0:
-            control[0] = self.tickets()
-            at = 1
-            for b in self.buffers:
-                control[at:at + b.numel()].copy_(b.detach().reshape(-1))
-                at += b.numel()
-        else:
-            control.zero_()
-        return control
+        return self.control.fill(step, self.tickets())
 
     # in sync() ------------------------------------------------------------------------------------
     def finish(self) -> BaseException | None:
@@ -145,21 +135,13 @@ class DDPBuckets:
         """Apply rank 0's buffers from ``step``'s control call; returns rank 0's ticket count."""
         if self._rides(0, self._grads[0]):
             return int(self._averages[step % 2][0][-1].item())
-        self._apply_buffers(step)
-        return int(self._controls[step % 2][0].item())
+        return self.control.arrived(step)
 
     def send_buffers(self, step: int) -> None:
         """In a step averaged flat: rank 0's buffers to every rank, in a call of their own."""
         if self.buffers:
             dist.all_reduce(self.fill_control(step))
-            self._apply_buffers(step)
-
-    def _apply_buffers(self, step: int) -> None:
-        control, at = self._controls[step % 2], 1
-        with torch.no_grad():
-            for b in self.buffers:
-                b.copy_(control[at:at + b.numel()].view_as(b))
-                at += b.numel()
+            self.control.arrived(step)
 
     def reduce_again(self, step: int) -> int:
         """Average this step's buckets in the current group from the gradients kept, in the order
@@ -184,7 +166,7 @@ class DDPBuckets:
     def averages(self, step: int) -> list[torch.Tensor]:
         """What a survivor ahead sends the ones behind: ``step``'s averages and its control call."""
         buckets = sorted(self._params)
-        return [self._average_buffer(step, i, self._grads[i]) for i in buckets] + [self._controls[step % 2]]
+        return [self._average_buffer(step, i, self._grads[i]) for i in buckets] + [self.control.of(step)]
 
     def unpack(self, step: int) -> int:
         """Write ``step``'s averages (received from a survivor ahead) into ``param.grad``."""
@@ -199,6 +181,14 @@ class DDPBuckets:
             for p in self._params[i]:
                 p.grad.copy_(average[at:at + p.numel()].view_as(p.grad))
                 at += p.numel()
+
+    def commit_tensor(self, step: int) -> None:
+        """The commit carries nothing of DDP's: the count and buffers rode in the step's own calls."""
+        return None
+
+    def newcomers_at(self, step: int) -> None:
+        """Replacements make their first bucket layout at their next forward: ``step`` is averaged flat."""
+        self.flat_steps.add(step)
 
     def regrouped(self, admitted: bool) -> None:
         """Point DDP at the new default group. After an admission every rank also rebuilds its
@@ -231,11 +221,6 @@ def refuse_wrappers_that_cannot_survive(model: object) -> None:
             f"SurvivingSync cannot keep an FSDP model ({name}) going after a loss: each rank holds a shard of "
             "the parameters that no survivor has. Use DistributedDataParallel, or a plain module with "
             "SurvivingSync, or train FSDP with checkpoints and restarts.")
-    compiled = sys.modules.get("smddp_lite.compiler.model")
-    if compiled is not None and isinstance(model, compiled.CompiledModel):
-        raise TypeError(
-            "SurvivingSync does not take a smddp_lite.compile model yet: its fused step reduces the gradients "
-            "itself. Give SurvivingSync the plain module (or a DistributedDataParallel of it) instead.")
 
 
 def refuse_ddp_settings(ddp: DistributedDataParallel) -> None:

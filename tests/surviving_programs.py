@@ -34,17 +34,23 @@ def model() -> torch.nn.Module:
     return torch.nn.Linear(FEATURES, 1)
 
 
-def wrapped(net: torch.nn.Module, ddp: bool, bucket_view: bool = False) -> torch.nn.Module:
-    """The model as trained: with ``ddp``, a DistributedDataParallel with a bucket per parameter,
-    so that the hooks' order and a redo's must meet over several buckets."""
-    if not ddp:
-        return net
-    return torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1e-5, gradient_as_bucket_view=bucket_view)
+def wrapped(net: torch.nn.Module, ddp: bool, bucket_view: bool = False,
+            compiled: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model as trained, and its optimizer: with ``ddp``, a DistributedDataParallel with a
+    bucket per parameter, so that the hooks' order and a redo's must meet over several buckets;
+    with ``compiled``, ``smddp_lite.compile`` with a bfloat16 wire and a bucket per parameter."""
+    if ddp:
+        net = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1e-5, gradient_as_bucket_view=bucket_view)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    if compiled:
+        return smddp_lite.compile(net, optimizer, wire_dtype=torch.bfloat16, bucket_cap_mb=1e-5,
+                                  first_bucket_mb=1e-5)
+    return net, optimizer
 
 
 def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, min_world_size: int = 1,
           replace: bool = False, step_s: float = 0.0, ddp: bool = False, bucket_view: bool = False,
-          late: dict | None = None, starts: dict | None = None) -> dict:
+          late: dict | None = None, starts: dict | None = None, compiled: bool = False) -> dict:
     """Train ``steps`` steps; ``faults`` maps a rank (as a string) to (kind, step): "sigkill" (killed
     while it syncs), "exit" (os._exit before its sync), "sigstop" (stopped before its sync and
     killed at the end), "sigstop_resume" (stopped, and let go on once the others went on without
@@ -56,7 +62,8 @@ def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, mi
     With ``replace``, the new rank 0 starts a replacement process after each loss (as a user's
     launcher would), which writes what ``replacement`` returns into ``marks``. ``step_s``: the
     compute each step stands for (a sleep), so that a replacement has steps left to join. With
-    ``ddp`` the model is a DistributedDataParallel (``bucket_view``: gradient_as_bucket_view).
+    ``ddp`` the model is a DistributedDataParallel (``bucket_view``: gradient_as_bucket_view);
+    with ``compiled``, a ``smddp_lite.compile`` model (bfloat16 wire).
     ``late`` maps a rank (as a string) to the seconds it spends before making its SurvivingSync
     (a model or data set slower to load than the others'). ``starts`` maps a step (as a string)
     to what rank 0 starts as that step begins: "replacement", or "ghost" (a replacement that dies
@@ -64,14 +71,13 @@ def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, mi
     smddp_lite.init(timeout=timedelta(seconds=group_timeout_s))
     rank = dist.get_rank()
     time.sleep((late or {}).get(str(rank), 0.0))
-    net = wrapped(model(), ddp, bucket_view)
-    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    net, optimizer = wrapped(model(), ddp, bucket_view, compiled)
     changes, replacements = [], []
 
     def changed(c) -> None:
         changes.append(_said(c))
         if replace and c.lost and c.rank == 0:
-            replacements.append(_start_replacement(steps, marks, len(replacements), step_s, ddp))
+            replacements.append(_start_replacement(steps, marks, len(replacements), step_s, ddp, compiled=compiled))
         stopped = Path(marks, "stopped")
         if c.rank == 0 and any(k.startswith("sigstop_resume") for k, _ in faults.values()) and stopped.exists():
             os.kill(int(stopped.read_text()), signal.SIGCONT)
@@ -79,7 +85,8 @@ def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, mi
     def start(step: int) -> None:
         what = (starts or {}).get(str(step))
         if what is not None and rank == 0:
-            replacements.append(_start_replacement(steps, marks, len(replacements), step_s, ddp, what == "ghost"))
+            replacements.append(_start_replacement(steps, marks, len(replacements), step_s, ddp, what == "ghost",
+                                                   compiled))
 
     sync = SurvivingSync(net, optimizer, min_world_size=min_world_size, on_change=changed)
     kind, fault_step = faults.get(str(rank), (None, -1))
@@ -115,19 +122,20 @@ def _said(c) -> dict:
 
 
 def _start_replacement(steps: int, marks: str, n: int, step_s: float, ddp: bool,
-                       ghost: bool = False) -> subprocess.Popen:
+                       ghost: bool = False, compiled: bool = False) -> subprocess.Popen:
     Path(marks, f"replacement-{n}-started").write_text(repr(time.time()))
     code = (f"from tests.surviving_programs import replacement; "
-            f"replacement({steps}, {marks!r}, {n}, {step_s}, {ddp}, {ghost})")
+            f"replacement({steps}, {marks!r}, {n}, {step_s}, {ddp}, {ghost}, {compiled})")
     # SMDDP_REPLACEMENT: as smddp_lite.launch marks the replacements it starts
     return subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                             env=dict(os.environ, TEST_RANK=f"replacement-{n}", SMDDP_REPLACEMENT="1"))
 
 
-def replacement(steps: int, marks: str, n: int, step_s: float = 0.0, ddp: bool = False, ghost: bool = False) -> None:
+def replacement(steps: int, marks: str, n: int, step_s: float = 0.0, ddp: bool = False, ghost: bool = False,
+                compiled: bool = False) -> None:
     """A replacement process: the same training, joining the running job; writes its checksums and
     changes to ``marks``/replacement-``n``.json. Without DDP it makes no group before SurvivingSync
-    does; with DDP, ``smddp_lite.init()`` makes it a group of one to make DDP on. A ``ghost`` dies
+    does; with DDP (or compiled), ``smddp_lite.init()`` makes it a group of one to make the model on. A ``ghost`` dies
     (os._exit) a quarter of a second after it took its ticket, while it waits to be admitted."""
     if ghost:
         import smddp_lite.surviving as surviving
@@ -142,10 +150,9 @@ def replacement(steps: int, marks: str, n: int, step_s: float = 0.0, ddp: bool =
             refuse(self, store)
 
         surviving.SurvivingSync._refuse_a_finished_job = dies_once_waiting
-    if ddp:
+    if ddp or compiled:
         smddp_lite.init()
-    net = wrapped(model(), ddp)
-    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    net, optimizer = wrapped(model(), ddp, compiled=compiled)
     changes = []
     sync = SurvivingSync(net, optimizer, on_change=lambda c: changes.append(_said(c)))
     first_step, checksums, worlds, first_sync_at = sync.step, [], [], None
@@ -166,8 +173,8 @@ def replacement(steps: int, marks: str, n: int, step_s: float = 0.0, ddp: bool =
 
 
 def _steps(net, optimizer, sync, rank, steps, kind, fault_step, marks, checksums, worlds, step_s, start) -> None:
-    # DDP averages during backward: its rank fails there, the others' with sync()
-    ddp = isinstance(net, torch.nn.parallel.DistributedDataParallel)
+    # DDP and the compiled step average during backward: their rank fails there, the others' with sync()
+    ddp = isinstance(net, torch.nn.parallel.DistributedDataParallel) or hasattr(net, "reducer")
     for step in range(steps):
         start(step)
         x, y = batch(rank, step)
@@ -253,7 +260,8 @@ def refusals() -> dict:
         "unused": lambda: DDP(model(), find_unused_parameters=True),
         "subgroup": lambda: DDP(model(), process_group=dist.new_group(list(range(dist.get_world_size())))),
         "hook": lambda: hooked,
-        "compiled": lambda: _compiled(),
+        "sharded": lambda: _compiled(shard_optimizer_state=True),
+        "8-bit": lambda: _compiled(wire_dtype="int8"),
         "fsdp": lambda: _fully_sharded(),
     }
     said = {}
@@ -267,9 +275,9 @@ def refusals() -> dict:
     return said
 
 
-def _compiled() -> torch.nn.Module:
+def _compiled(**options) -> torch.nn.Module:
     net = model()
-    return smddp_lite.compile(net, torch.optim.SGD(net.parameters(), lr=LR))[0]
+    return smddp_lite.compile(net, torch.optim.SGD(net.parameters(), lr=LR), **options)[0]
 
 
 def _fully_sharded() -> torch.nn.Module:

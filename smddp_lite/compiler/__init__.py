@@ -131,7 +131,8 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options)
             log.info("smddp_lite.compile: torch.compile of %d repeated block(s) of %s%s", len(blocks),
                      ", ".join(sorted({type(b).__name__ for b in blocks})) or "none",
                      "" if blocks else " (no nn.ModuleList of two or more like blocks: forward and backward stay eager)")
-    return CompiledModel(model, reducer, config.broadcast_buffers, gathers, watch_shapes=bool(blocks)), compiled_optimizer
+    return CompiledModel(model, reducer, config.broadcast_buffers, gathers, watch_shapes=bool(blocks),
+                         config=config), compiled_optimizer
 
 
 def detach(model: torch.nn.Module) -> None:

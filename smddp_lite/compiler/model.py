@@ -21,9 +21,10 @@ class CompiledModel(torch.nn.Module):
     ``module.`` prefix as DDP's) and owns the gradient reducer."""
 
     def __init__(self, module: torch.nn.Module, reducer: GradReducer, broadcast_buffers: bool = True,
-                 gathers: ParameterGathers | None = None, watch_shapes: bool = False) -> None:
+                 gathers: ParameterGathers | None = None, watch_shapes: bool = False, config=None) -> None:
         super().__init__()
         self.module = module
+        self.config = config  # the CompileConfig it was made with (SurvivingSync reads what was asked)
         self.reducer = reducer
         self._gathers = gathers
         self.broadcast_buffers = broadcast_buffers and reducer.world_size > 1

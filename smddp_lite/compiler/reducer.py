@@ -17,6 +17,13 @@ Sharded (``shard_optimizer_state``), a bucket is reduce-scattered instead: only 
 share of ``.grad`` holds the averaged gradient (the rest keeps the rank's local gradient), norms
 are taken of the shares and summed across ranks, and the ranks agree at the end of backward
 whether any gradient is non-finite (see ``_agree_non_finite``).
+
+Under ``SurvivingSync`` (``keep_local_gradients``) a lost rank must not end backward, and the
+survivors must be able to average the step again in their new group: every bucket then travels
+in a wire buffer of its own (the 16-bit wire, or one of the gradients' dtype), so ``.grad`` keeps
+this rank's own gradients until the step commits (``take_averages``, called by ``sync()``); a
+failed call is recorded in ``failure``, never raised, and ``reduce_again`` averages the kept
+gradients in the new group.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ..backend import numerics
 from ..kernels._launch import arithmetic_dtype
 from .buckets import Bucket
 from .quantized_wire import QuantizedWire
@@ -61,6 +69,52 @@ class GradReducer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(b, i))
                        for b in buckets for i, p in enumerate(b.params)]
         self._non_finite_mark = self._mark_slot() if shard is not None else None
+        self.survivable = False  # set by keep_local_gradients
+        self.failure: BaseException | None = None  # the step's first failed call, when survivable
+        self._on_wire: list[bool] = []  # survivable: the buckets whose averages arrived in their wire buffer
+
+    def keep_local_gradients(self, wire_dtype: torch.dtype | None) -> None:
+        """Reduce every bucket in a wire buffer of its own (of ``wire_dtype``, or the bucket's
+        dtype), so that ``.grad`` holds this rank's gradients until every average arrived, and
+        record failed calls instead of raising them: what SurvivingSync needs to redo a step."""
+        if self.shard is not None or self.quantized is not None:
+            raise ValueError("GradReducer.keep_local_gradients: sharded and 8-bit wires keep no local gradients")
+        for b in self.buckets:
+            if b.wire_flat is None:
+                b.wire_flat = torch.zeros(b.padded_numel, dtype=wire_dtype or b.dtype, device=b.device)
+        # every bucket's average is copied into .grad only once the step committed (a copy before
+        # would overwrite gradients a redo needs)
+        self.finish_on_completion = False
+        self.survivable = True
+        self._on_wire = [False] * len(self.buckets)
+
+    def regroup(self, group, world_size: int) -> None:
+        """Reduce in ``group`` from now on (a survivor's new group, with its own divisor)."""
+        self.group, self.world_size = group, world_size
+
+    def reduce_again(self) -> None:
+        """Average every bucket's kept gradients in the current group, as backward would have;
+        raises the first failed call."""
+        self.failure = None
+        self._count_afresh()
+        for b in self.buckets:
+            self._launch(b)
+        self._wait_all()
+        self._count_afresh()
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
+
+    def take_averages(self) -> None:
+        """The step committed: its averages into ``.grad`` (over this rank's own gradients), and
+        their norms, which clipping reads (taken again after a redo)."""
+        for b in self.buckets:
+            if self._on_wire[b.index]:
+                b.grad_flat.copy_(b.wire_flat[:b.numel])
+            if self.want_norm:
+                self.bucket_norm(b)
+        self._on_wire = [False] * len(self.buckets)
+        self._measured_now()
 
     def detach(self) -> None:
         """Stop reducing: the model was compiled again, and the new reducer owns its gradients
@@ -97,6 +151,13 @@ class GradReducer:
             return
         if self.gathers is not None:
             self.gathers.wait([b.index])
+        if self.survivable:
+            if self.failure is None:  # after a failure the group is broken: the step is redone anyway
+                try:
+                    self._works[b.index] = dist.all_reduce(self._share_on_wire(b), group=self.group, async_op=True)
+                except dist.DistError as failure:
+                    self.failure = failure
+            return
         if self.quantized is not None:
             self.quantized[b.index].start()
             self._works[b.index] = self.quantized[b.index]
@@ -119,6 +180,23 @@ class GradReducer:
         if self.finish_on_completion:
             self._finishing[b.index] = work.get_future().then(lambda reduced, b=b: self._finish_bucket(b, reduced))
 
+    def _share_on_wire(self, b: Bucket) -> torch.Tensor:
+        """This rank's share of the bucket's mean, in its wire buffer (divided before the sum, so
+        a 16-bit wire cannot overflow where float32 would not)."""
+        return numerics.share_of_mean(b.grad_flat, self.world_size, out=b.wire_flat[:b.numel])
+
+    def _wait_all(self) -> None:
+        """Survivable: wait for every bucket's call, recording a failure; the averages stay in the
+        wire buffers until ``take_averages``."""
+        for b in self.buckets:
+            work = self._works[b.index]
+            if work is not None:
+                try:
+                    work.wait()
+                except dist.DistError as failure:
+                    self.failure = self.failure or failure
+        self._on_wire = [self.failure is None and work is not None for work in self._works]
+
     def _finish_bucket(self, b: Bucket, reduced: torch.futures.Future | None = None) -> None:
         """What follows a bucket's reduction: its 16-bit wire's values back into ``.grad``, and
         its norm. ``reduced``: the collective's future, when called as its callback (a failed
@@ -140,6 +218,10 @@ class GradReducer:
                 self._zero_missing(self.buckets[i])
                 self._pending[i] = 0
             self._launch_ready()
+        if self.survivable:
+            self._wait_all()
+            self._count_afresh()
+            return
         if self.quantized is not None:  # every bucket's sums in flight before the first is waited for
             for wire in self.quantized:
                 wire.sum_and_gather()
@@ -182,7 +264,12 @@ class GradReducer:
             return
         for work in self._works + self._finishing:
             if work is not None:
-                work.wait()
+                try:
+                    work.wait()
+                except dist.DistError as failure:
+                    if not self.survivable:
+                        raise
+                    self.failure = self.failure or failure
         self._count_afresh()
         self._in_backward = False
 
