@@ -24,8 +24,9 @@ time:
 The survivors must go on within ``stale_after`` (2 s) and a second of each (the heartbeat
 finds the silent ones). The driver then ends what is left of the lost ranks, and waits for the
 replacements to train; the next failure comes once the group is whole again and has trained
-``--gap`` steps. Every rank logs each step's parameter checksum; the driver checks
-after the run that every rank that logged a step logged the same checksum, and reports how long
+``--gap`` steps. Every rank logs each step's parameter checksum and optimizer-state checksum;
+the driver checks after the run that every rank that logged a step logged the same ones, and
+reports how long
 the survivors took to go on, how long each replacement took to its first step done (from its
 process's start, and from its SurvivingSync's, which JOIN_BOUND_S bounds), what the cut-off
 ranks raised and when, and whether any process or /dev/shm segment was left. Needs root::
@@ -33,6 +34,10 @@ ranks raised and when, and whether any process or /dev/shm segment was left. Nee
     python -m benchmarks.survival_drill --failures 100 --out benchmarks/results/<date>-survival-drill
     python -m benchmarks.survival_drill --failures 0 --steps 2000 --seed 1   # a fault-free run
     python -m benchmarks.survival_drill --failures 12 --cycle --hog 1         # beside a busy process
+    python -m benchmarks.survival_drill --failures 7 --cycle --compiled       # smddp_lite.compile's step
+
+``--ddp`` trains a DistributedDataParallel of the model, ``--compiled`` the model
+``smddp_lite.compile`` makes (bfloat16 wire, fused AdamW); the plain module otherwise.
 
 With ``--steps`` the run ends at that step (failures stop once it is near); without, it ends
 after the last failure's replacement has trained ``--gap`` steps. The held-out loss at the end
@@ -69,6 +74,17 @@ JOIN_BOUND_S = 5.0
 
 
 # the ranks ----------------------------------------------------------------------------------------
+def _state_checksum(state: dict) -> float:
+    """The optimizer state's sum over every tensor (moments and step counts), in float64."""
+    return sum(float(t.double().sum()) for per_param in state.values() for t in per_param.values()
+               if hasattr(t, "double"))
+
+
+def _path(args) -> list[str]:
+    """The training path's option, passed on to the ranks."""
+    return ["--ddp"] * args.ddp + ["--compiled"] * args.compiled
+
+
 def worker(args) -> None:
     """One rank (or a replacement): train until the driver's stop step, logging every step."""
     import torch
@@ -85,9 +101,12 @@ def worker(args) -> None:
                                 torch.nn.ReLU(), torch.nn.Linear(256, 10))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     trained = model
-    if args.ddp:  # a replacement's init() makes a group of one to make DDP on
+    if args.ddp or args.compiled:  # a replacement's init() makes a group of one to make the model on
         smddp_lite.init(timeout=timedelta(seconds=args.group_timeout))
+    if args.ddp:
         trained = torch.nn.parallel.DistributedDataParallel(model)
+    if args.compiled:
+        trained, optimizer = smddp_lite.compile(model, optimizer, wire_dtype=torch.bfloat16)
     log = None
 
     def write(record: dict) -> None:
@@ -132,7 +151,8 @@ def worker(args) -> None:
         optimizer.step()
         optimizer.zero_grad()
         checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-        write({"step": sync.step - 1, "id": me, "world": sync.world_size, "checksum": checksum, "at": time.time()})
+        write({"step": sync.step - 1, "id": me, "world": sync.world_size, "checksum": checksum,
+               "optimizer_checksum": _state_checksum(optimizer.state_dict()["state"]), "at": time.time()})
         step = sync.step
         if stop_at is None and stop_file.exists():
             stop_at = int(stop_file.read_text())
@@ -153,7 +173,7 @@ def agent(args) -> None:
     def start(rank_env: dict) -> None:
         argv = [sys.executable, "-m", "benchmarks.survival_drill", "worker", "--dir", args.dir, "--seed",
                 str(args.seed), "--step-s", str(args.step_s), "--group-timeout", str(args.group_timeout)]
-        argv += ["--ddp"] if args.ddp else []
+        argv += _path(args)
         out = open(logs / f"out-host{host}-{len(children)}.txt", "w")
         children.append(subprocess.Popen(argv, env={**env, **rank_env}, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
 
@@ -333,18 +353,22 @@ class Drill:
     def check(self) -> dict:
         self.read()
         by_step: dict[int, set] = {}
+        states_by_step: dict[int, set] = {}
         world_at: dict[int, int] = {}
         for rid in self.records:
             # a lost rank's steps too: a step commits only once every member's average arrived
             # (SurvivingSync._commit), so a rank lost mid-step never logged one the others redid
             for s in self.steps_of(rid):
                 by_step.setdefault(s["step"], set()).add(s["checksum"])
+                states_by_step.setdefault(s["step"], set()).add(s["optimizer_checksum"])
                 world_at[s["step"]] = s["world"]
         differing = sorted(step for step, sums in by_step.items() if len(sums) > 1)
+        differing_states = sorted(step for step, sums in states_by_step.items() if len(sums) > 1)
         done = [r for rid in self.records for r in self.records[rid] if r.get("event") == "done"]
         lost = {r for rid in self.records for c in self.records[rid] if c.get("event") == "change" for r in c["lost"]}
         lost -= self._ghosts_lost()
         return {"steps": len(by_step), "steps_with_differing_parameters": differing[:20],
+                "steps_with_differing_optimizer_state": differing_states[:20],
                 "unplanned_losses": sorted(lost - self.victims),
                 # the batches the steps averaged, against a run that never shrank
                 "rank_steps": sum(world_at.values()), "rank_steps_whole": self.world * len(world_at),
@@ -375,7 +399,7 @@ def drive(args) -> dict:
         by_launcher = args.launcher == "smddp" and len(set(layout)) == 1  # the launcher's ranks: as many per host
         worker_args = ["-m", "benchmarks.survival_drill", "worker", "--dir", str(logs), "--seed", str(args.seed),
                        "--step-s", str(args.step_s), "--group-timeout", str(args.group_timeout)]
-        worker_args += ["--ddp"] if args.ddp else []
+        worker_args += _path(args)
         if by_launcher:
             agents = [cluster.spawn(h, [sys.executable, "-m", "smddp_lite.launch", "--nnodes", str(len(layout)),
                                         "--node-rank", str(h), "--nproc-per-node", str(layout[h]), "--master-addr",
@@ -386,7 +410,7 @@ def drive(args) -> dict:
             agents = [cluster.spawn(h, [sys.executable, "-m", "benchmarks.survival_drill", "agent", "--dir",
                                         str(logs), "--host", str(h), "--layout", ",".join(map(str, layout)), "--seed",
                                         str(args.seed), "--step-s", str(args.step_s), "--group-timeout",
-                                        str(args.group_timeout)] + (["--ddp"] if args.ddp else []), env=env)
+                                        str(args.group_timeout)] + _path(args), env=env)
                       for h in range(len(layout))]
         drill = Drill(cluster, logs, layout, rng, replace=not args.no_replace, by_launcher=by_launcher)
         started = time.time()
@@ -513,6 +537,8 @@ def main() -> None:
     parser.add_argument("--window", help="FROM,TO: report the steps per second between these steps")
     parser.add_argument("--out", help="write OUT.json")
     parser.add_argument("--ddp", action="store_true", help="train a DistributedDataParallel of the model")
+    parser.add_argument("--compiled", action="store_true",
+                        help="train the model smddp_lite.compile makes (bfloat16 wire, fused AdamW)")
     parser.add_argument("--hog", type=int, default=0, help="busy processes beside the job (a core each)")
     parser.add_argument("--launcher", choices=("smddp", "agent"), default="smddp",
                         help="who starts the ranks and their replacements: python -m smddp_lite.launch on each "

@@ -23,6 +23,11 @@ optimizer from the same start: DDP alone, DDP with torch's Python all_reduce hoo
 SurvivingSync. A round times ``--steps`` steps of each arm, in an order that rotates::
 
     python -m benchmarks.surviving_overhead --lab 2x2 --rounds 8 --steps 100
+
+With ``--compiled`` the lab job's two arms are ``smddp_lite.compile``'s step (bfloat16 wire,
+AdamW) alone and with SurvivingSync, each with its own model and optimizer from the same start::
+
+    python -m benchmarks.surviving_overhead --lab 2x2 --compiled --rounds 8 --steps 100
 """
 
 from __future__ import annotations
@@ -77,10 +82,12 @@ def rank(steps: int, ddp: bool = False, surviving: bool = True, python_hook: boo
     return steps / elapsed
 
 
-def lab_rank(rounds: int, steps: int, warm_up: int = 20, without_commit: bool = False) -> None:
+def lab_rank(rounds: int, steps: int, warm_up: int = 20, without_commit: bool = False,
+             compiled: bool = False) -> None:
     """One rank of the lab job (under torchrun): every arm's steps per second, round by round,
     printed by rank 0 as one JSON line (a round's rate is the slowest rank's). ``without_commit``
-    (an ablation, not a mode to train in): SurvivingSync skips its per-step commit call."""
+    (an ablation, not a mode to train in): SurvivingSync skips its per-step commit call.
+    ``compiled``: the arms are the compiled step alone and with SurvivingSync, not DDP's."""
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -94,13 +101,17 @@ def lab_rank(rounds: int, steps: int, warm_up: int = 20, without_commit: bool = 
         SurvivingSync._commit = lambda self: None
         SurvivingSync._commit_or_failure = lambda self: None
     arms = {}
-    for name in ("ddp_alone", "python_hook", "surviving"):
+    for name in ("compiled_alone", "surviving") if compiled else ("ddp_alone", "python_hook", "surviving"):
         torch.manual_seed(0)
-        model = torch.nn.parallel.DistributedDataParallel(
-            torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512)))
-        if name == "python_hook":
-            model.register_comm_hook(None, allreduce_hook)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+        if compiled:  # one SurvivingSync per job: the compiled arms make a job of their own
+            model, optimizer = smddp_lite.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                                  wire_dtype=torch.bfloat16)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(model)
+            if name == "python_hook":
+                model.register_comm_hook(None, allreduce_hook)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         arms[name] = (model, optimizer, SurvivingSync(model, optimizer) if name == "surviving" else None)
     x = torch.randn(32, 512, generator=torch.Generator().manual_seed(dist.get_rank()))
 
@@ -136,17 +147,20 @@ def in_the_lab(args) -> dict:
 
     hosts, per_host = (int(n) for n in args.lab.split("x"))
     outputs = run_job(hosts, per_host, ["surviving_overhead.py", "lab-rank", "--rounds", str(args.rounds),
-                                        "--steps", str(args.steps)] + ["--without-commit"] * args.without_commit,
+                                        "--steps", str(args.steps)] + ["--without-commit"] * args.without_commit
+                      + ["--compiled"] * args.compiled,
                       {}, args.rate, "torchrun", 3000, f"surviving overhead on {args.lab}")
     report = next(json.loads(line) for line in outputs[0].splitlines() if line.startswith("{"))
     rates = report["rates"]
-    alone = statistics.median(rates["ddp_alone"])
+    base = "compiled_alone" if args.compiled else "ddp_alone"
+    alone = statistics.median(rates[base])
     for r in range(args.rounds):
         print(f"round {r}: " + ", ".join(f"{name} {rates[name][r]:.2f}" for name in rates) + " steps/s", flush=True)
     summary = {name: statistics.median(values) / alone for name, values in rates.items()}
-    summary["surviving_vs_python_hook"] = statistics.median(rates["surviving"]) / statistics.median(
-        rates["python_hook"])
-    summary["paired_surviving_vs_python_hook"] = [s / h for s, h in zip(rates["surviving"], rates["python_hook"])]
+    # the paired ratio: each round's arms ran back to back, so a round's load is shared
+    floor = "compiled_alone" if args.compiled else "python_hook"
+    summary[f"surviving_vs_{floor}"] = statistics.median(rates["surviving"]) / statistics.median(rates[floor])
+    summary[f"paired_surviving_vs_{floor}"] = [s / h for s, h in zip(rates["surviving"], rates[floor])]
     return {"lab": args.lab, "rate": args.rate, "steps": args.steps, **report, "ratios_of_medians": summary}
 
 
@@ -173,9 +187,11 @@ def main() -> None:
     parser.add_argument("--rate", default="1gbit", help="the lab's link rate")
     parser.add_argument("--without-commit", action="store_true",
                         help="with --lab: an ablation, SurvivingSync without its per-step commit call")
+    parser.add_argument("--compiled", action="store_true",
+                        help="with --lab: the compiled step (bfloat16 wire) alone and with SurvivingSync")
     if sys.argv[1:2] == ["lab-rank"]:  # one rank of the lab job, under torchrun
         known = parser.parse_args(sys.argv[2:])
-        return lab_rank(known.rounds, known.steps, without_commit=known.without_commit)
+        return lab_rank(known.rounds, known.steps, without_commit=known.without_commit, compiled=known.compiled)
     args = parser.parse_args()
     if args.lab:
         print(json.dumps(in_the_lab(args)))

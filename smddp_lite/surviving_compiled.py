@@ -23,7 +23,7 @@ bucket from the step it joins.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -182,9 +182,8 @@ class DDPBuckets:
                 p.grad.copy_(average[at:at + p.numel()].view_as(p.grad))
                 at += p.numel()
 
-    def commit_tensor(self, step: int) -> None:
-        """The commit carries nothing of DDP's: the count and buffers rode in the step's own calls."""
-        return None
+    def commit_tensor(self, step: int) -> torch.Tensor | None:
+        """None: the commit carries nothing of DDP's, whose count and buffers rode in the step's own calls."""
 
     def newcomers_at(self, step: int) -> None:
         """Replacements make their first bucket layout at their next forward: ``step`` is averaged flat."""

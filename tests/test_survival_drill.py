@@ -20,12 +20,12 @@ from . import harness, tiers
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the simulated cluster needs root (network namespaces, tc)")
-@pytest.mark.parametrize("model", ["module", "ddp"])
+@pytest.mark.parametrize("model", ["module", "ddp", "compiled"])
 def test_the_lab_drill_trains_through_each_kind_of_failure(model, tmp_path):
     out = tmp_path / "drill"
     kinds = KINDS[:tiers.size(1, len(KINDS))]  # the quick tier: one rank SIGKILLed
     run = subprocess.run([sys.executable, "-m", "benchmarks.survival_drill", "--failures", str(len(kinds)), "--cycle",
-                          "--gap", "5", "--out", str(out)] + (["--ddp"] if model == "ddp" else []), cwd=harness.ROOT,
+                          "--gap", "5", "--out", str(out)] + [f"--{model}"] * (model != "module"), cwd=harness.ROOT,
                          capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads((tmp_path / "drill.json").read_text())
@@ -33,6 +33,7 @@ def test_the_lab_drill_trains_through_each_kind_of_failure(model, tmp_path):
     assert summary["by_kind"] == {kind: int(kind in kinds) for kind in KINDS}, summary
     # after every step, every rank that took it holds the same parameters
     assert results["steps_with_differing_parameters"] == [], results["steps_with_differing_parameters"]
+    assert results["steps_with_differing_optimizer_state"] == [], results["steps_with_differing_optimizer_state"]
     assert summary["resumed_within_bound"] == len(kinds), results["failures"]
     replaced = len(kinds) + ("link" in kinds) + ("pair" in kinds)  # both ranks of a host, or two at once
     # timed from the replacement's SurvivingSync: its imports and model before it are the script's
