@@ -29,8 +29,11 @@ the group's timeout (``ProcessGroupSMDDP.interrupt``). A rank that checks in aft
 decided (it was stopped, or its network came back) finds itself missing and raises
 ``RankDeclaredLostError``, never joining silently.
 
-A DistributedDataParallel model keeps its buckets: smddp_lite/surviving_ddp.py reduces them
-during backward, and ``sync()`` settles the step the same way, bucket by bucket.
+Each training path plugs in its own reducer, and this module only orchestrates: a plain
+module's gradients are averaged flat in ``sync()`` (surviving_flat.py); a DistributedDataParallel
+model keeps its buckets, reduced during backward by a comm hook (surviving_ddp.py); a
+``smddp_lite.compile`` model keeps its buckets and fused step, its reducer regrouped after a
+loss (surviving_compiled.py). ``sync()`` settles a step the same way on every path.
 
 Growing back: a replacement process (the same script, started by the user's launcher) makes its
 ``SurvivingSync`` before any process group exists (or in the group of one that
@@ -56,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .backend import before_exit, numerics
+from .backend import before_exit
 from .backend.errors import CollectiveMismatchError, SMDDPError
 from .launch import init, standing_by
 from .membership.errors import (  # HeartbeatStoppedError: raised here through the heartbeat, caught by users
@@ -79,6 +82,7 @@ from .membership.job_store import (
 from . import surviving_state
 from .sampling import ElasticSampler
 from .surviving_compiled import CompiledSteps
+from .surviving_flat import FlatAverages
 from .surviving_ddp import DDPBuckets, refuse_wrappers_that_cannot_survive
 
 _log = logging.getLogger("smddp_lite")
@@ -128,8 +132,9 @@ class SurvivingSync:
         model: the module (or an iterable of parameters) whose ``.grad`` are averaged. Every rank
             must start from the same parameters, as with DDP. A ``DistributedDataParallel``
             keeps its buckets, reduced during backward through a comm hook of SurvivingSync's
-            (make the group with ``smddp_lite.init()`` first; docs/surviving.md). FSDP and
-            ``smddp_lite.compile`` models are refused.
+            (make the group with ``smddp_lite.init()`` first; docs/surviving.md), and so does a
+            ``smddp_lite.compile`` model (give its optimizer too). FSDP models, sharded
+            optimizer state and 8-bit wires are refused.
         optimizer: sent, with the parameters, to each replacement (its ``state_dict``). Without
             it a replacement gets the parameters only.
         min_world_size: below this many live ranks, ``sync()`` raises ``TooFewRanksError`` on
@@ -169,15 +174,7 @@ class SurvivingSync:
         self._tickets_considered = 0  # admitted or refused, as the last generation's record says
         self._tickets_seen = 0  # as the group learnt it from rank 0, in the last average
         self._holds_state = True  # False in a replacement until a member sent it the job's state
-        by_dtype: dict[torch.dtype, int] = {}
-        for p in self.params:
-            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
-        # the ticket count rides in the last element of a float32 or float64 average (exact up to
-        # 2**24), or in a float32 tensor of its own where the model has neither
-        self._carrier = next((d for d in (torch.float32, torch.float64) if d in by_dtype), None)
-        device = self.params[0].device
-        # two averages per dtype: this step's, and the last one, which a lagging survivor may need
-        self._commit_flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self._commit_flag = torch.zeros(1, dtype=torch.int32, device=self.params[0].device)
         self._buckets: DDPBuckets | CompiledSteps | None = None
         if isinstance(model, DistributedDataParallel):
             self._buckets = DDPBuckets(model, tickets=lambda: self._heart.tickets, step=lambda: self.step)
@@ -185,10 +182,9 @@ class SurvivingSync:
             self._buckets = CompiledSteps(model, tickets=lambda: self._heart.tickets)
         if self._buckets is not None:  # their backward reduces: replacements come in before the forward
             model.register_forward_pre_hook(self._before_forward)
-        # the flat path's averages (a compiled step never takes it: its buckets are its own)
-        self._averages = [{dtype: torch.zeros(n + (dtype == self._carrier), dtype=dtype, device=device)
-                           for dtype, n in by_dtype.items()} for _ in range(2)] if not _is_compiled(model) else []
-        self._control = None if self._carrier else torch.zeros(1, dtype=torch.float32, device=device)
+        # the plain module's path, and DDP's for the step a replacement joins (a compiled step
+        # never takes it: its buckets are its own)
+        self._flat = FlatAverages(self.params) if not _is_compiled(model) else None
         store = standing_by() if dist.is_initialized() else running_job_store()
         if store is not None:
             self._join(store, timeout)
@@ -260,7 +256,10 @@ class SurvivingSync:
                 # (DDP's are admitted before the forward: _before_forward)
                 if self._admission_due() and self._buckets is None and self._change(in_sync=True):
                     return  # (a generation that settled this step: it cannot, for a rank that admits)
-                self._average(self.step)
+                tickets = self._flat.average(self.step, self._heart.tickets)
+                if self._buckets is not None:  # rank 0's module buffers, which DDP would have broadcast
+                    self._buckets.send_buffers(self.step)
+                self._tickets_seen = max(self._tickets_seen, tickets)
                 self._commit()
             except CollectiveMismatchError:
                 raise  # every rank is alive and called something else: a bug to fix, not a loss
@@ -268,7 +267,7 @@ class SurvivingSync:
                 if self._change(failure, in_sync=True):
                     return  # the average of this step came from a survivor a step ahead
                 continue  # redo this step's sync in the new group
-            self._unpack(self.step)
+            self._flat.unpack(self.step)
             self.step += 1
             return
 
@@ -333,42 +332,6 @@ class SurvivingSync:
         return None
 
     # one step -----------------------------------------------------------------------------------
-    def _average(self, step: int) -> None:
-        averages = self._averages[step % 2]
-        offsets = dict.fromkeys(averages, 0)
-        world = dist.get_world_size()
-        for p in self.params:
-            flat = averages[p.dtype]
-            at = offsets[p.dtype]
-            view = flat[at:at + p.numel()]
-            if p.grad is None:
-                view.zero_()
-            else:
-                numerics.share_of_mean(p.grad.reshape(-1), world, out=view)
-            offsets[p.dtype] = at + p.numel()
-        tickets = self._heart.tickets if dist.get_rank() == 0 else 0
-        control = averages[self._carrier][-1:] if self._carrier else self._control
-        control.fill_(tickets)
-        for flat in averages.values():
-            dist.all_reduce(flat)
-        if self._control is not None:
-            dist.all_reduce(self._control)
-        self._tickets_seen = max(self._tickets_seen, int(control.item()))
-        if self._buckets is not None:  # rank 0's module buffers, which DDP would have broadcast
-            self._buckets.send_buffers(step)
-
-    def _unpack(self, step: int) -> None:
-        averages = self._averages[step % 2]
-        offsets = dict.fromkeys(averages, 0)
-        for p in self.params:
-            at = offsets[p.dtype]
-            average = averages[p.dtype][at:at + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = average.clone()
-            else:
-                p.grad.copy_(average)
-            offsets[p.dtype] = at + p.numel()
-
     # growing back -------------------------------------------------------------------------------
     def _join(self, store: JobStore, timeout: timedelta | None) -> None:
         """This process is a replacement: take a ticket, wait to be admitted (the ticket counts
@@ -612,7 +575,7 @@ class SurvivingSync:
         settled = False
         if ahead != behind:
             flat = self._buckets is None or behind in self._buckets.flat_steps
-            averages = list(self._averages[behind % 2].values()) if flat else self._buckets.averages(behind)
+            averages = self._flat.averages(behind) if flat else self._buckets.averages(behind)
             if me == healer:
                 for r in holders:
                     if steps[r] == behind:
@@ -621,10 +584,8 @@ class SurvivingSync:
             elif me in holders and steps[me] == behind:
                 for average in averages:
                     dist.recv(average, healer)
-                if flat:
-                    self._unpack(behind)
-                else:
-                    self._tickets_seen = max(self._tickets_seen, self._buckets.unpack(behind))
+                reducer = self._flat if flat else self._buckets
+                self._tickets_seen = max(self._tickets_seen, reducer.unpack(behind))
                 self.step += 1
                 settled = True
         if newcomers:
