@@ -19,7 +19,11 @@ time:
   end it with ``RankDeclaredLostError``;
 - ``ghost``: a rank SIGKILLed, and its first replacement dying (``os._exit``) ``GHOST_AFTER_S``
   into its SurvivingSync, while it waits to be admitted with its ticket taken: the members must
-  refuse it (or, where it was admitted first, lose it), and the next replacement must join.
+  refuse it (or, where it was admitted first, lose it), and the next replacement must join;
+- ``healer``: a rank SIGKILLed, and the member that sends its replacement the job's state (the
+  healer) SIGKILLing itself as it sends the first chunk: the members left and the replacement
+  must agree on the next generation, the new healer must send the state again, and both
+  replacements must join.
 
 The survivors must go on within ``stale_after`` (2 s) and a second of each (the heartbeat
 finds the silent ones). The driver then ends what is left of the lost ranks, and waits for the
@@ -66,7 +70,7 @@ STARTED_AT = time.time()  # this process's start (before torch's import), for a 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORE_PORT = 29500
 GROUP_TIMEOUT_S = 1800.0  # torch's default: no failure may wait for it
-KINDS = ("sigkill", "sigstop", "exit", "link", "pair", "comeback", "ghost")
+KINDS = ("sigkill", "sigstop", "exit", "link", "pair", "comeback", "ghost", "healer")
 GHOST_AFTER_S = 0.4  # from its SurvivingSync's start: after its ticket, before its admission
 RESUME_BOUND_S = 3.0  # after any failure: the heartbeat's stale_after (2 s) and a second
 # from a replacement's SurvivingSync (its script's imports and model are its own) to its first step
@@ -78,6 +82,26 @@ def _state_checksum(state: dict) -> float:
     """The optimizer state's sum over every tensor (moments and step counts), in float64."""
     return sum(float(t.double().sum()) for per_param in state.values() for t in per_param.values()
                if hasattr(t, "double"))
+
+
+def _die_healing_when_armed(logs: Path, me) -> None:
+    """The ``healer`` kind: the first member to send a replacement the job's state once the driver
+    armed it takes the part, and SIGKILLs itself at its first chunk (after the header)."""
+    import torch.distributed as dist
+
+    from smddp_lite import surviving_state
+
+    send_state, armed = surviving_state.send, logs / "healer-armed"
+
+    def send_or_die(*args, **kwargs) -> None:
+        claimed = logs / f"healer-{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):  # not armed, or another member took it
+            os.rename(armed, claimed)
+            (logs / f"healer-{os.getpid()}.id").write_text(str(me()))
+            dist.isend = lambda *_args, **_kwargs: os.kill(os.getpid(), signal.SIGKILL)
+        send_state(*args, **kwargs)
+
+    surviving_state.send = send_or_die
 
 
 def _path(args) -> list[str]:
@@ -119,6 +143,7 @@ def worker(args) -> None:
         with contextlib.suppress(FileNotFoundError):  # another replacement took it first
             os.rename(armed, logs / f"ghost-{os.getpid()}")
             threading.Timer(GHOST_AFTER_S, os._exit, args=(7,)).start()
+    _die_healing_when_armed(logs, lambda: me)
     sync_at = time.time()
     sync = smddp_lite.SurvivingSync(trained, optimizer, timeout=timedelta(seconds=args.group_timeout),
                                     on_change=lambda c: pending.append(c))
@@ -270,7 +295,9 @@ class Drill:
         port = f"{self.cluster.bridge}p{self.cluster.hosts - 1}"
         if kind == "ghost":  # the next replacement to start takes it
             (self.logs / "ghost-armed").write_text(str(victims[0]))
-        if kind in ("sigkill", "pair", "ghost"):
+        if kind == "healer":  # the member that sends the victim's replacement the state takes it
+            (self.logs / "healer-armed").write_text(str(victims[0]))
+        if kind in ("sigkill", "pair", "ghost", "healer"):
             for v in victims:
                 os.kill(self.pid(v), signal.SIGKILL)
         elif kind in ("sigstop", "comeback"):
@@ -304,11 +331,17 @@ class Drill:
             subprocess.run(["ip", "link", "set", port, "up"], check=True)
         if not self.replace:
             return {"kind": kind, "lost": victims, "joined": [], "step": before, "resumed_s": resumed,
-                    "replacement_s": [], "join_s": [], "refused": refused, "cut_off": cut_off, "ghost": None}
+                    "replacement_s": [], "join_s": [], "refused": refused, "cut_off": cut_off, "ghost": None,
+                    "healer": None}
         if not self.by_launcher:  # the launcher starts them itself once their processes end
             for v in victims + victims[:kind == "ghost"]:  # a ghost's successor too
                 self.spawn_replacement(self.host_of[v])
         first_new = max(self.host_of) + 1
+        healer = self._healer_killed(survivors) if kind == "healer" else None
+        if healer is not None:  # the healer is lost too, and replaced
+            victims.append(healer["id"])
+            if not self.by_launcher:
+                self.spawn_replacement(self.host_of[healer["id"]])
 
         def grown_back():
             joined = [rid for rid in self.records if rid >= first_new and self.steps_of(rid)]
@@ -324,7 +357,27 @@ class Drill:
             joining.append(first_step - start["sync_at"])
         ghost = self._ghost_outcome(fault_at) if kind == "ghost" else None
         return {"kind": kind, "lost": victims, "joined": sorted(joined), "step": before, "resumed_s": resumed,
-                "replacement_s": training, "join_s": joining, "refused": refused, "cut_off": cut_off, "ghost": ghost}
+                "replacement_s": training, "join_s": joining, "refused": refused, "cut_off": cut_off, "ghost": ghost,
+                "healer": healer}
+
+    def _healer_killed(self, survivors: list[int]) -> dict:
+        """The ``healer`` kind: wait for the member that took the part to die while it sent the
+        state, and for the others to go on without it; its id and how long they took."""
+        claimed = self.wait_for(lambda: list(self.logs.glob("healer-[0-9]*.id")), 60,
+                                "a member to take the healer's part")[0]
+        healer = int(claimed.read_text())
+        died_at = claimed.stat().st_mtime  # written just before its first chunk, where it dies
+        claimed.rename(self.logs / f"done-{claimed.name}")  # the next healer kind's claim is its own
+        self.victims.add(healer)
+        left = [r for r in survivors if r != healer]
+
+        def went_on():
+            changes = [c for r in left for c in self.records.get(r, [])
+                       if c.get("event") == "change" and healer in c["lost"]]
+            return changes if len({c["id"] for c in changes}) == len(left) else None
+
+        changes = self.wait_for(went_on, 60, f"the members to go on without the healer {healer}")
+        return {"id": healer, "resumed_s": max(c["at"] for c in changes) - died_at}
 
     def _ghosts_lost(self) -> set[int]:
         """Ids the members lost that never logged a record: replacements that died while they
@@ -479,7 +532,9 @@ def drive(args) -> dict:
         "cut_off_ranks": len(cut_off), "cut_off_errors": sorted({e["error"] for e in cut_off}),
         "cut_off_raised_s": _spread([e["after_s"] for e in cut_off]),
         "comebacks_refused": sum(f.get("refused") is True for f in results["failures"]),
-        "ghosts": [f["ghost"] for f in results["failures"] if f["ghost"]]}
+        "ghosts": [f["ghost"] for f in results["failures"] if f["ghost"]],
+        # the healer kind's second loss: from the healer's death to the members going on without it
+        "healers_resumed_s": [f["healer"]["resumed_s"] for f in results["failures"] if f["healer"]]}
     return results
 
 
