@@ -603,15 +603,32 @@ class SurvivingSync:
 
     def _state_extras(self) -> dict:
         return {"step": self._first_new_step, "tickets": self._tickets_seen,
-                "sampler": self.sampler.state_dict() if self.sampler is not None else None}
+                "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+                "layout": self._buckets.layout() if self._buckets is not None else None}
 
     def _take_state(self, extras: dict) -> None:
+        mine = self._buckets.layout() if self._buckets is not None else None
+        if extras.get("layout") != mine:  # its collectives would not meet the members': a mismatch ends every rank
+            self._heart.stop()
+            raise ValueError(
+                f"SurvivingSync: this replacement (id {self.first_rank}) reduces its gradients in other buckets "
+                f"than the job's ranks: theirs {_said_layout(extras.get('layout'))}, this one's "
+                f"{_said_layout(mine)}. Make its model as theirs (the same smddp_lite.compile options: "
+                "bucket_cap_mb, first_bucket_mb, wire_dtype, and the SMDDP_* variables that set them); it "
+                "ends here, and the others go on without it.")
         self.step = extras["step"]
         self._tickets_seen = max(self._tickets_seen, extras["tickets"])
         self._holds_state = True
         if self.sampler is not None and extras["sampler"] is not None:
             self.sampler.load_state_dict(extras["sampler"])
             self.sampler.me = self.first_rank
+
+
+def _said_layout(layout: list | None) -> str:
+    if layout is None:
+        return "none (not a compiled model)"
+    return f"{len(layout)} buckets: " + ", ".join(f"{n} {dtype} on a {wire} wire" for n, dtype, wire in layout[:6]) + (
+        ", ..." if len(layout) > 6 else "")
 
 
 def _is_compiled(model: object) -> bool:

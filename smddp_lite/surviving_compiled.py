@@ -76,6 +76,11 @@ class CompiledSteps:
     def unpack(self, step: int) -> int:
         return self.arrived(step)
 
+    def layout(self) -> list[tuple[int, str, str]]:
+        """Each bucket's size, dtype and wire dtype, which a replacement's must match."""
+        return [(b.numel, str(b.dtype).replace("torch.", ""), str(b.wire_flat.dtype).replace("torch.", ""))
+                for b in self.reducer.buckets]
+
     def newcomers_at(self, step: int) -> None:
         """Replacements train ``step`` through the same buckets: nothing to arrange."""
 

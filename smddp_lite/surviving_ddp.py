@@ -185,6 +185,9 @@ class DDPBuckets:
     def commit_tensor(self, step: int) -> torch.Tensor | None:
         """None: the commit carries nothing of DDP's, whose count and buffers rode in the step's own calls."""
 
+    def layout(self) -> None:
+        """None: a replacement's DDP makes its layout at its first forward, from the others'."""
+
     def newcomers_at(self, step: int) -> None:
         """Replacements make their first bucket layout at their next forward: ``step`` is averaged flat."""
         self.flat_steps.add(step)

@@ -34,16 +34,16 @@ def model() -> torch.nn.Module:
     return torch.nn.Linear(FEATURES, 1)
 
 
-def wrapped(net: torch.nn.Module, ddp: bool, bucket_view: bool = False,
-            compiled: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def wrapped(net: torch.nn.Module, ddp: bool, bucket_view: bool = False, compiled: bool = False,
+            wire: torch.dtype = torch.bfloat16) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model as trained, and its optimizer: with ``ddp``, a DistributedDataParallel with a
     bucket per parameter, so that the hooks' order and a redo's must meet over several buckets;
-    with ``compiled``, ``smddp_lite.compile`` with a bfloat16 wire and a bucket per parameter."""
+    with ``compiled``, ``smddp_lite.compile`` with a ``wire`` wire and a bucket per parameter."""
     if ddp:
         net = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1e-5, gradient_as_bucket_view=bucket_view)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     if compiled:
-        return smddp_lite.compile(net, optimizer, wire_dtype=torch.bfloat16, bucket_cap_mb=1e-5,
+        return smddp_lite.compile(net, optimizer, wire_dtype=wire, bucket_cap_mb=1e-5,
                                   first_bucket_mb=1e-5)
     return net, optimizer
 
@@ -86,7 +86,7 @@ def train(steps: int, faults: dict, marks: str, group_timeout_s: float = 4.0, mi
         what = (starts or {}).get(str(step))
         if what is not None and rank == 0:
             replacements.append(_start_replacement(steps, marks, len(replacements), step_s, ddp, what == "ghost",
-                                                   compiled))
+                                                   compiled, odd=what == "odd"))
 
     sync = SurvivingSync(net, optimizer, min_world_size=min_world_size, on_change=changed)
     kind, fault_step = faults.get(str(rank), (None, -1))
@@ -122,20 +122,21 @@ def _said(c) -> dict:
 
 
 def _start_replacement(steps: int, marks: str, n: int, step_s: float, ddp: bool,
-                       ghost: bool = False, compiled: bool = False) -> subprocess.Popen:
+                       ghost: bool = False, compiled: bool = False, odd: bool = False) -> subprocess.Popen:
     Path(marks, f"replacement-{n}-started").write_text(repr(time.time()))
     code = (f"from tests.surviving_programs import replacement; "
-            f"replacement({steps}, {marks!r}, {n}, {step_s}, {ddp}, {ghost}, {compiled})")
+            f"replacement({steps}, {marks!r}, {n}, {step_s}, {ddp}, {ghost}, {compiled}, {odd})")
     # SMDDP_REPLACEMENT: as smddp_lite.launch marks the replacements it starts
     return subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                             env=dict(os.environ, TEST_RANK=f"replacement-{n}", SMDDP_REPLACEMENT="1"))
 
 
 def replacement(steps: int, marks: str, n: int, step_s: float = 0.0, ddp: bool = False, ghost: bool = False,
-                compiled: bool = False) -> None:
+                compiled: bool = False, odd: bool = False) -> None:
     """A replacement process: the same training, joining the running job; writes its checksums and
     changes to ``marks``/replacement-``n``.json. Without DDP it makes no group before SurvivingSync
-    does; with DDP (or compiled), ``smddp_lite.init()`` makes it a group of one to make the model on. A ``ghost`` dies
+    does; with DDP (or compiled), ``smddp_lite.init()`` makes it a group of one to make the model on.
+    An ``odd`` one compiles with a float16 wire where the job's ranks use bfloat16. A ``ghost`` dies
     (os._exit) a quarter of a second after it took its ticket, while it waits to be admitted."""
     if ghost:
         import smddp_lite.surviving as surviving
@@ -152,9 +153,15 @@ def replacement(steps: int, marks: str, n: int, step_s: float = 0.0, ddp: bool =
         surviving.SurvivingSync._refuse_a_finished_job = dies_once_waiting
     if ddp or compiled:
         smddp_lite.init()
-    net, optimizer = wrapped(model(), ddp, compiled=compiled)
+    net, optimizer = wrapped(model(), ddp, compiled=compiled, wire=torch.float16 if odd else torch.bfloat16)
     changes = []
-    sync = SurvivingSync(net, optimizer, on_change=lambda c: changes.append(_said(c)))
+    try:
+        sync = SurvivingSync(net, optimizer, on_change=lambda c: changes.append(_said(c)))
+    except ValueError as exc:  # an odd one: told why, once it received the job's state
+        written = Path(marks, f"replacement-{n}.json.part")  # renamed once whole, as below
+        written.write_text(json.dumps({"error": str(exc)}))
+        written.rename(Path(marks, f"replacement-{n}.json"))
+        return
     first_step, checksums, worlds, first_sync_at = sync.step, [], [], None
     for step in range(sync.step, steps):
         x, y = batch(sync.first_rank, step)
@@ -323,6 +330,31 @@ def _hold_the_gil(seconds: float) -> None:
     import ctypes
 
     ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
+def step_without_sync() -> dict:
+    """A compiled model under SurvivingSync whose optimizer steps after backward without sync():
+    what it raises, and whether the parameters moved (they must not, on the local gradients)."""
+    smddp_lite.init()
+    net, optimizer = wrapped(model(), ddp=False, compiled=True)
+    sync = SurvivingSync(net, optimizer)
+    x, y = batch(dist.get_rank(), 0)
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    try:
+        optimizer.step()
+    except RuntimeError as exc:
+        said = str(exc)
+    else:
+        said = "no error"
+    moved = any(not torch.equal(a, p) for a, p in zip(before, net.parameters()))
+    # the way it says: sync(), then the step, which applies the average
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    sync()
+    optimizer.step()
+    sync.close()
+    dist.destroy_process_group()
+    return {"said": said, "moved": moved}
 
 
 def state_transfer() -> dict:

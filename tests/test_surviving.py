@@ -323,6 +323,19 @@ def test_the_healer_killed_while_it_sends_the_state_ends_no_job(path, tmp_path):
     assert [(c["joined"], c["members"]) for c in joiner["changes"]] == [([3], [1, 2, 3])]
 
 
+def test_a_replacement_compiled_otherwise_ends_saying_why_and_the_job_goes_on(tmp_path):
+    """A replacement compiled with another wire than the job's: its collectives would not meet
+    the members', and the mismatch would end every rank. It compares the job's bucket layout
+    with its own once it received the state, ends saying why, and the others go on."""
+    results = _run("shm", {}, tmp_path, steps=REPLACE_STEPS, step_s=STEP_S, compiled=True, starts={"1": "odd"})
+    for r in results:
+        assert r.error is None and r.value is not None and "error" not in r.value, (r.rank, r.error, r.output[-3000:])
+        assert r.value["checksums"] == results[0].value["checksums"], "members applied different parameters"
+        assert r.value["worlds"][-1] == 3, r.value["worlds"]
+    said = _replacement_result(tmp_path, 0)["error"]
+    assert "other buckets than the job's ranks" in said and "bfloat16 wire" in said and "float16 wire" in said, said
+
+
 @tiers.FULL_ONLY
 def test_ddp_with_it_trains_as_ddp_alone_buffers_included():
     # rank 0's BatchNorm statistics reach the others in the hooks' control call, not DDP's broadcast
@@ -343,6 +356,17 @@ def test_a_replacement_receives_parameters_buffers_and_optimizer_state_as_held()
     assert receiver.value["extras"] == {"step": 3, "sampler": None}
     for part in ("params", "buffers", "optimizer"):
         assert receiver.value[part] == sender.value[part], part
+
+
+def test_a_compiled_step_without_sync_is_refused_not_applied_to_local_gradients():
+    """Under SurvivingSync the compiled model's averages reach .grad at sync(): a step without it
+    would apply each rank's own gradients and the ranks would drift apart, with no error."""
+    for r in harness.launch("tests.surviving_programs:step_without_sync", 2, env={"SMDDP_TRANSPORT": "shm"},
+                            timeout=120):
+        assert r.value is not None, (r.rank, r.error, r.output[-3000:])
+        assert "without SurvivingSync's sync()" in r.value["said"] and "Call sync() after backward()" in r.value[
+            "said"], r.value
+        assert not r.value["moved"], "the step was applied to the rank's own gradients"
 
 
 def test_what_cannot_survive_is_refused_with_the_reason():

@@ -72,6 +72,7 @@ class GradReducer:
         self.survivable = False  # set by keep_local_gradients
         self.failure: BaseException | None = None  # the step's first failed call, when survivable
         self._on_wire: list[bool] = []  # survivable: the buckets whose averages arrived in their wire buffer
+        self._awaiting_commit = False  # survivable: a backward reduced the buckets, and no sync() took them yet
 
     def keep_local_gradients(self, wire_dtype: torch.dtype | None) -> None:
         """Reduce every bucket in a wire buffer of its own (of ``wire_dtype``, or the bucket's
@@ -114,6 +115,7 @@ class GradReducer:
             if self.want_norm:
                 self.bucket_norm(b)
         self._on_wire = [False] * len(self.buckets)
+        self._awaiting_commit = False
         self._measured_now()
 
     def detach(self) -> None:
@@ -196,6 +198,7 @@ class GradReducer:
                 except dist.DistError as failure:
                     self.failure = self.failure or failure
         self._on_wire = [self.failure is None and work is not None for work in self._works]
+        self._awaiting_commit = True
 
     def _finish_bucket(self, b: Bucket, reduced: torch.futures.Future | None = None) -> None:
         """What follows a bucket's reduction: its 16-bit wire's values back into ``.grad``, and
@@ -307,6 +310,13 @@ class GradReducer:
         """Called by step(). With no backward since the last step, ``.grad`` set to None by
         ``model.zero_grad()`` left the buckets' older gradients in place, which the step would
         apply again: take those as zero, as after a backward that gave them no gradient."""
+        if self._awaiting_commit:
+            self._awaiting_commit = False  # said once: the next backward starts afresh
+            raise RuntimeError(
+                "smddp_lite.compile: optimizer.step() was called after backward() without SurvivingSync's "
+                "sync(), so .grad still holds this rank's own gradients, not their average (under SurvivingSync "
+                "the averages reach .grad when sync() commits the step). Call sync() after backward() and "
+                "before optimizer.step().")
         if not self._backward_since_step:
             for b in self.buckets:
                 self._zero_missing(b)
