@@ -176,15 +176,16 @@ class SurvivingSync:
         self._holds_state = True  # False in a replacement until a member sent it the job's state
         self._commit_flag = torch.zeros(1, dtype=torch.int32, device=self.params[0].device)
         self._buckets: DDPBuckets | CompiledSteps | None = None
+        compiled = _is_compiled(model)
         if isinstance(model, DistributedDataParallel):
             self._buckets = DDPBuckets(model, tickets=lambda: self._heart.tickets, step=lambda: self.step)
-        elif _is_compiled(model):
+        elif compiled:
             self._buckets = CompiledSteps(model, tickets=lambda: self._heart.tickets)
         if self._buckets is not None:  # their backward reduces: replacements come in before the forward
             model.register_forward_pre_hook(self._before_forward)
         # the plain module's path, and DDP's for the step a replacement joins (a compiled step
         # never takes it: its buckets are its own)
-        self._flat = FlatAverages(self.params) if not _is_compiled(model) else None
+        self._flat = FlatAverages(self.params) if not compiled else None
         store = standing_by() if dist.is_initialized() else running_job_store()
         if store is not None:
             self._join(store, timeout)

@@ -63,11 +63,10 @@ class CompiledSteps:
         self.reducer.take_averages()
         return self.control.arrived(step)
 
-    def reduce_again(self, step: int) -> int:
+    def reduce_again(self, step: int) -> None:
         """Average this step's kept gradients in the current group; the ticket count comes with
         the commit that follows."""
         self.reducer.reduce_again()
-        return 0
 
     def averages(self, step: int) -> list[torch.Tensor]:
         """What a survivor ahead sends the ones behind: only the commit's tensor (they hold the averages)."""

@@ -143,9 +143,9 @@ class DDPBuckets:
             dist.all_reduce(self.fill_control(step))
             self.control.arrived(step)
 
-    def reduce_again(self, step: int) -> int:
+    def reduce_again(self, step: int) -> None:
         """Average this step's buckets in the current group from the gradients kept, in the order
-        the hooks launch them, into ``param.grad``; returns the control call's ticket count."""
+        the hooks launch them, into ``param.grad`` (``arrived`` then reads the control call)."""
         self.failure = None
         for i in sorted(self._params):
             grads = self._kept[i] if self.view else self._grads[i]
@@ -154,7 +154,6 @@ class DDPBuckets:
             if i == 0 and not self._rides(0, grads):
                 dist.all_reduce(self.fill_control(step))
             self._write(i, part)
-        return self.arrived(step)
 
     def restore_local_gradients(self) -> None:
         """Write this rank's own gradients of the step, kept where ``reduce_again`` finds them,

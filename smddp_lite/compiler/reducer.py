@@ -78,8 +78,6 @@ class GradReducer:
         """Reduce every bucket in a wire buffer of its own (of ``wire_dtype``, or the bucket's
         dtype), so that ``.grad`` holds this rank's gradients until every average arrived, and
         record failed calls instead of raising them: what SurvivingSync needs to redo a step."""
-        if self.shard is not None or self.quantized is not None:
-            raise ValueError("GradReducer.keep_local_gradients: sharded and 8-bit wires keep no local gradients")
         for b in self.buckets:
             if b.wire_flat is None:
                 b.wire_flat = torch.zeros(b.padded_numel, dtype=wire_dtype or b.dtype, device=b.device)
@@ -111,8 +109,8 @@ class GradReducer:
         their norms, which clipping reads (taken again after a redo)."""
         for b in self.buckets:
             if self._on_wire[b.index]:
-                b.grad_flat.copy_(b.wire_flat[:b.numel])
-            if self.want_norm:
+                self._finish_bucket(b)  # the wire's average into .grad, and its norm
+            elif self.want_norm:
                 self.bucket_norm(b)
         self._on_wire = [False] * len(self.buckets)
         self._awaiting_commit = False
@@ -153,13 +151,8 @@ class GradReducer:
             return
         if self.gathers is not None:
             self.gathers.wait([b.index])
-        if self.survivable:
-            if self.failure is None:  # after a failure the group is broken: the step is redone anyway
-                try:
-                    self._works[b.index] = dist.all_reduce(self._share_on_wire(b), group=self.group, async_op=True)
-                except dist.DistError as failure:
-                    self.failure = failure
-            return
+        if self.survivable and self.failure is not None:
+            return  # after a failure the group is broken: the step is redone anyway
         if self.quantized is not None:
             self.quantized[b.index].start()
             self._works[b.index] = self.quantized[b.index]
@@ -172,20 +165,21 @@ class GradReducer:
         sent, op = b.grad_flat, dist.ReduceOp.AVG
         if wire is not None:
             # divide before the sum: a float16 wire then cannot overflow where float32 would not
-            torch.mul(b.grad_flat, 1.0 / self.world_size, out=wire)
+            numerics.share_of_mean(b.grad_flat, self.world_size, out=wire)
             sent, op = wire, dist.ReduceOp.SUM
-        if self.shard is None:
-            work = dist.all_reduce(sent, op=op, group=self.group, async_op=True)
-        else:
-            work = REDUCE_SCATTER(self.shard.of(b, sent), sent, op=op, group=self.group, async_op=True)
+        try:
+            if self.shard is None:
+                work = dist.all_reduce(sent, op=op, group=self.group, async_op=True)
+            else:
+                work = REDUCE_SCATTER(self.shard.of(b, sent), sent, op=op, group=self.group, async_op=True)
+        except dist.DistError as failure:
+            if not self.survivable:
+                raise
+            self.failure = failure
+            return
         self._works[b.index] = work
         if self.finish_on_completion:
             self._finishing[b.index] = work.get_future().then(lambda reduced, b=b: self._finish_bucket(b, reduced))
-
-    def _share_on_wire(self, b: Bucket) -> torch.Tensor:
-        """This rank's share of the bucket's mean, in its wire buffer (divided before the sum, so
-        a 16-bit wire cannot overflow where float32 would not)."""
-        return numerics.share_of_mean(b.grad_flat, self.world_size, out=b.wire_flat[:b.numel])
 
     def _wait_all(self) -> None:
         """Survivable: wait for every bucket's call, recording a failure; the averages stay in the
